@@ -1,0 +1,199 @@
+"""CPU kernels compiled by Numba: the same contract as the CUDA kernels, for a laptop.
+
+Each public function has a NumPy spec of the same name in ``kernels/reference.py``
+and is tested against it. Work is split over CPU threads with ``prange``; inside
+a thread the loops over ``head_dim`` are what LLVM vectorises (fastmath lets it
+reorder the float sums).
+
+The module is used as an "ops" namespace by the model: ``ops.rms_norm(...)``,
+``ops.paged_attention(...)``; ``kernels/cuda.py`` will offer the same names.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import get_num_threads, njit, prange
+
+from .layout import AttentionMetadata
+
+xp = np  # the array module this backend computes with
+
+# Waking a pool of threads costs tens of microseconds, more than a decode step's
+# elementwise work; below this many elements a kernel runs on the calling thread.
+PARALLEL_MIN_ELEMENTS = 1 << 16
+
+
+def two_ways(fn):
+    """Compile ``fn`` twice: serial (prange acts as range) and across threads."""
+    serial = njit(fastmath=True, cache=True)(fn)
+    parallel = njit(fastmath=True, cache=True, parallel=True)(fn)
+    return lambda work: parallel if work >= PARALLEL_MIN_ELEMENTS else serial
+
+# A thread walks a sequence's K/V blocks once for a tile of up to QUERY_TILE
+# query tokens (times the GQA group), so each block it loads serves them all.
+QUERY_TILE = 16
+
+
+# --------------------------------------------------------------------------- KV writes
+
+@njit(cache=True)
+def _write_kv(k_cache, v_cache, k, v, slot_mapping):
+    block_size = k_cache.shape[2]
+    for t in range(slot_mapping.shape[0]):
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        block = slot // block_size
+        offset = slot % block_size
+        k_cache[block, :, offset, :] = k[t]
+        v_cache[block, :, offset, :] = v[t]
+
+
+def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
+             slot_mapping: np.ndarray) -> None:
+    """Scatter k, v (T, num_kv_heads, head_dim) into the caches at ``slot_mapping`` (T,)."""
+    _write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+# --------------------------------------------------------------------------- paged attention
+
+def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                     scale, work, num_threads, out):
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # Thread `tid` takes work items tid, tid + n, tid + 2n, ...: late tiles of a
+    # prompt cost more than early ones, and striding spreads them evenly.
+    for tid in prange(num_threads):
+        for w in range(tid, work.shape[0], num_threads):
+            s, kv_head, t0 = work[w, 0], work[w, 1], work[w, 2]
+            seq_start, seq_end = query_start_loc[s], query_start_loc[s + 1]
+            t1 = min(t0 + QUERY_TILE, seq_end)
+            first_pos = seq_lens[s] - (seq_end - seq_start) + (t0 - seq_start)
+            last_pos = first_pos + (t1 - t0) - 1
+            rows = (t1 - t0) * group                     # row r = query (r // group), head (r % group)
+            qs = np.empty((rows, head_dim), np.float32)  # scaled queries
+            acc = np.zeros((rows, head_dim), np.float32)  # running sum of p * v
+            row_max = np.full(rows, -np.inf, np.float32)  # running max score (online softmax)
+            row_sum = np.zeros(rows, np.float32)          # running sum of p
+            scores = np.empty(block_size, np.float32)
+            for r in range(rows):
+                head = kv_head * group + r % group
+                for d in range(head_dim):
+                    qs[r, d] = q[t0 + r // group, head, d] * scale
+            for j in range(last_pos // block_size + 1):
+                block = block_tables[s, j]
+                for r in range(rows):
+                    # causal: this query sees positions <= its own
+                    valid = min(block_size, first_pos + r // group - j * block_size + 1)
+                    if valid <= 0:
+                        continue
+                    new_max = row_max[r]
+                    for o in range(valid):
+                        dot = np.float32(0.0)
+                        for d in range(head_dim):
+                            dot += qs[r, d] * k_cache[block, kv_head, o, d]
+                        scores[o] = dot
+                        new_max = max(new_max, dot)
+                    correction = np.exp(row_max[r] - new_max)
+                    row_sum[r] *= correction
+                    for d in range(head_dim):
+                        acc[r, d] *= correction
+                    for o in range(valid):
+                        p = np.exp(scores[o] - new_max)
+                        row_sum[r] += p
+                        for d in range(head_dim):
+                            acc[r, d] += p * v_cache[block, kv_head, o, d]
+                    row_max[r] = new_max
+            for r in range(rows):
+                head = kv_head * group + r % group
+                inv = 1.0 / row_sum[r]
+                for d in range(head_dim):
+                    out[t0 + r // group, head, d] = acc[r, d] * inv
+
+
+_paged_attention = two_ways(_paged_attention_body)
+
+
+def attention_work_items(query_start_loc: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """List the (sequence, kv_head, first query row) tiles of a batch: (W, 3) int64."""
+    q_lens = np.diff(query_start_loc).astype(np.int64)               # (S,)
+    tiles = -(-q_lens // QUERY_TILE)                                  # (S,) ceil
+    seq = np.repeat(np.arange(len(q_lens)), tiles)                    # (num_tiles,)
+    first_tile = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    tile_start = query_start_loc[seq] + (np.arange(len(seq)) - first_tile) * QUERY_TILE
+    work = np.empty((len(seq) * num_kv_heads, 3), dtype=np.int64)
+    work[:, 0] = np.repeat(seq, num_kv_heads)
+    work[:, 1] = np.tile(np.arange(num_kv_heads), len(seq))
+    work[:, 2] = np.repeat(tile_start, num_kv_heads)
+    return work
+
+
+def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                    meta: AttentionMetadata, scale: float) -> np.ndarray:
+    """Causal attention of q (T, num_heads, head_dim) through block tables -> (T, num_heads, head_dim)."""
+    out = np.empty(q.shape, dtype=np.float32)
+    work = attention_work_items(meta.query_start_loc, k_cache.shape[1])
+    # work estimate: query rows x context positions x head_dim
+    kernel = _paged_attention(q.shape[0] * q.shape[1] * meta.max_seq_len * q.shape[2] // 8)
+    kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                     meta.query_start_loc, np.float32(scale), work, get_num_threads(), out)
+    return out
+
+
+# --------------------------------------------------------------------------- fused elementwise
+
+@two_ways
+def _rms_norm(x, weight, eps, out):
+    hidden = x.shape[1]
+    for t in prange(x.shape[0]):
+        total = np.float32(0.0)
+        for i in range(hidden):
+            total += x[t, i] * x[t, i]
+        inv_rms = np.float32(1.0) / np.sqrt(total / hidden + eps)
+        for i in range(hidden):
+            out[t, i] = x[t, i] * inv_rms * weight[i]
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x (T, hidden) / rms(x) * weight (hidden,) -> (T, hidden)."""
+    out = np.empty_like(x)
+    _rms_norm(x.size)(x, weight, np.float32(eps), out)
+    return out
+
+
+@two_ways
+def _rotary_inplace(x, positions, cos, sin):
+    half = x.shape[2] // 2
+    for t in prange(x.shape[0]):
+        pos = positions[t]
+        for h in range(x.shape[1]):
+            for i in range(half):
+                a, b = x[t, h, i], x[t, h, i + half]
+                x[t, h, i] = a * cos[pos, i] - b * sin[pos, i]
+                x[t, h, i + half] = b * cos[pos, i] + a * sin[pos, i]
+
+
+def rotary(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE of x (T, heads, head_dim) at positions (T,); returns a new array."""
+    out = np.ascontiguousarray(x)
+    if out is x:
+        out = x.copy()
+    _rotary_inplace(out.size)(out, positions, cos, sin)
+    return out
+
+
+@two_ways
+def _silu_and_mul(gate_up, out):
+    ffn = out.shape[1]
+    for t in prange(gate_up.shape[0]):
+        for i in range(ffn):
+            g = gate_up[t, i]
+            out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, ffn + i]
+
+
+def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
+    """gate_up (T, 2*ffn) = [gate | up] -> silu(gate) * up, (T, ffn)."""
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
+    _silu_and_mul(gate_up.size)(gate_up, out)
+    return out

@@ -1,0 +1,69 @@
+"""The KV cache layout and the attention metadata: the "hardware page table" format.
+
+Everything that touches the KV cache (the kernels, the cache engine, the tests)
+takes its shapes from here, so the layout is defined exactly once.
+
+One array holds the whole cache, for every layer, keys and values::
+
+    kv_cache: (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
+                           ^ 0 = keys, 1 = values
+
+    one physical block of one layer (keys), head-major:
+        head 0: [slot 0: head_dim floats][slot 1]...[slot block_size-1]
+        head 1: [slot 0 ...]
+
+A *slot* is ``block_id * block_size + offset``: the physical address of one
+token's K/V, the way a physical address is ``frame * page_size + offset``.
+
+Head-major blocks keep the ``block_size x head_dim`` tile that one attention
+head reads contiguous in memory, and a whole block (all heads) is still one
+contiguous chunk per layer, so copy-on-write and swapping move plain slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+KEY, VALUE = 0, 1
+
+
+def kv_cache_shape(num_layers: int, num_blocks: int, num_kv_heads: int,
+                   block_size: int, head_dim: int) -> tuple[int, ...]:
+    """Shape of the single array that holds the paged KV cache of a model."""
+    return (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int,
+                       head_dim: int, itemsize: int) -> int:
+    """Bytes one physical block occupies across all layers, keys and values."""
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What paged attention needs to know about one flattened batch.
+
+    The batch holds the new tokens of S sequences back to back: sequence s owns
+    query rows ``query_start_loc[s] : query_start_loc[s+1]``. Those are the
+    *last* tokens of its context, so query row i of sequence s sits at position
+    ``seq_lens[s] - q_len_s + i`` and attends to positions ``0 .. that``.
+    Prefill (q_len = prompt), chunked prefill and prefix-cache hits
+    (q_len < seq_len) and decode (q_len = 1) are all the same case.
+    """
+
+    slot_mapping: np.ndarray     # (T,) int64  slot each new token's K/V is written to; -1 = skip
+    query_start_loc: np.ndarray  # (S+1,) int32 cumulative query counts
+    seq_lens: np.ndarray         # (S,) int32  context length of each sequence, new tokens included
+    block_tables: np.ndarray     # (S, max_blocks) int32 physical block ids, -1 padded
+    max_query_len: int           # 1 means a pure decode batch (the fast path)
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])

@@ -1,0 +1,62 @@
+"""Backend: the one place that decides which hardware runs the kernels.
+
+Everything above (block manager, scheduler, engine) is identical on every
+device; it only receives the kernel namespace chosen here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+
+import numba
+import numpy as np
+
+logger = logging.getLogger("minipaged")
+
+
+@dataclass(frozen=True)
+class Backend:
+    device: str        # "cpu" or "cuda"
+    ops: ModuleType    # kernels.cpu (later kernels.cuda): xp, rms_norm, rotary, ..., paged_attention
+    dtype: np.dtype    # weights and KV cache
+
+    @property
+    def xp(self) -> ModuleType:
+        return self.ops.xp
+
+
+def cuda_available() -> bool:
+    """True when CuPy is installed and sees at least one CUDA device."""
+    try:
+        import cupy  # noqa: PLC0415 (optional dependency)
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # not installed, no driver, no device: all mean "no GPU"
+        return False
+
+
+def select_backend(device: str, dtype: str) -> Backend:
+    if device == "cuda":
+        if not cuda_available():
+            raise ValueError("device='cuda' was requested but no CUDA GPU is visible "
+                             "(CuPy is not installed or sees no device); use device='cpu' or 'auto'")
+        raise NotImplementedError("the CUDA backend is not built yet; use device='cpu'")
+    if device == "auto":
+        if cuda_available():
+            logger.info("a CUDA GPU is visible but the CUDA backend is not built yet; running on the CPU")
+        else:
+            logger.info("no CUDA GPU found; running on the CPU")
+    if dtype not in ("auto", "float32"):
+        raise ValueError(f"dtype={dtype!r} is not supported on the CPU; use 'float32' or 'auto'")
+    from . import BLAS_SPIN_FIXED  # noqa: PLC0415
+    from .kernels import cpu  # noqa: PLC0415 (compiles Numba kernels on first use)
+
+    if not BLAS_SPIN_FIXED and numba.get_num_threads() > 1:
+        # numpy was loaded before minipaged, so OpenBLAS threads spin after each
+        # matmul; two thread pools fighting over the cores cost ~4 ms per kernel.
+        # One Numba thread avoids the fight (attention runs on one core).
+        logger.warning("numpy was imported before minipaged: Numba kernels will use one thread. "
+                       "Import minipaged first or set OPENBLAS_THREAD_TIMEOUT=4 for full speed.")
+        numba.set_num_threads(1)
+    return Backend("cpu", cpu, np.dtype(np.float32))

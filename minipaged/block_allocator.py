@@ -1,0 +1,67 @@
+"""BlockAllocator: the physical frame allocator of one memory pool.
+
+Like an OS frame allocator it hands out fixed-size frames (KV blocks) from a
+free list and takes them back when the last user lets go. Reference counts make
+sharing possible: a block held by two block tables (forked samples, a cached
+prefix) has ref count 2 and is freed only when both have released it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool is exhausted: the caller should have checked ``num_free`` first."""
+
+
+class BlockAllocator:
+    """Free queue + ref counts over the block ids ``0 .. num_blocks-1``."""
+
+    def __init__(self, num_blocks: int, name: str = "device") -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"a {name} pool needs at least one block, got {num_blocks}")
+        self.name = name
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks            # (num_blocks,) holders of each block
+        # FIFO: a freed block goes to the back, so recently freed blocks are
+        # reused last (prefix caching will want to find them still intact).
+        self.free_queue: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def allocate(self) -> int:
+        """Take a free block; its ref count becomes 1."""
+        if not self.free_queue:
+            raise NoFreeBlocksError(f"the {self.name} KV pool has no free block")
+        block_id = self.free_queue.popleft()
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def incref(self, block_id: int) -> None:
+        """Another holder shares an allocated block (fork, prefix hit)."""
+        assert self.ref_counts[block_id] > 0, f"block {block_id} is free and cannot be shared"
+        self.ref_counts[block_id] += 1
+
+    def free(self, block_id: int) -> None:
+        """One holder lets go; the block returns to the free queue when none is left."""
+        assert self.ref_counts[block_id] > 0, f"double free of {self.name} block {block_id}"
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            self.free_queue.append(block_id)
+
+    def check_invariants(self) -> None:
+        """Every block is free (ref 0, in the queue once) or used (ref > 0, not in the queue)."""
+        queued = set(self.free_queue)
+        assert len(queued) == len(self.free_queue), f"a {self.name} block is queued twice"
+        for block_id, refs in enumerate(self.ref_counts):
+            assert refs >= 0, f"negative ref count on block {block_id}"
+            assert (refs == 0) == (block_id in queued), (
+                f"{self.name} block {block_id}: ref count {refs} but "
+                f"{'in' if block_id in queued else 'not in'} the free queue")

@@ -1,0 +1,53 @@
+"""BlockTable: the page table of one sequence.
+
+Logical block i of a sequence (its tokens ``i*block_size .. (i+1)*block_size-1``)
+lives in physical block ``block_ids[i]``, anywhere in the pool. ``fills[i]`` says
+how many of its slots hold tokens: every block but the last is full, exactly as
+a process's pages are all in use except the tail of its heap.
+"""
+
+from __future__ import annotations
+
+
+class BlockTable:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.block_ids: list[int] = []  # (num_logical_blocks,) physical block of each logical block
+        self.fills: list[int] = []      # (num_logical_blocks,) slots in use in each block
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots this table maps (the sequence's cached + about-to-be-written tokens)."""
+        if not self.fills:
+            return 0
+        return (len(self.fills) - 1) * self.block_size + self.fills[-1]
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def needs_new_block(self) -> bool:
+        """The next token has no slot yet: the table is empty or its last block is full."""
+        return not self.fills or self.fills[-1] == self.block_size
+
+    def append_block(self, block_id: int) -> None:
+        self.block_ids.append(block_id)
+        self.fills.append(0)
+
+    def add_token(self) -> None:
+        """Claim the next slot of the last block (the caller ensured there is one)."""
+        assert self.fills and self.fills[-1] < self.block_size, "no free slot in the last block"
+        self.fills[-1] += 1
+
+    def slot(self, position: int) -> int:
+        """Physical slot of a token position: frame * page_size + offset."""
+        block_index, offset = divmod(position, self.block_size)
+        return self.block_ids[block_index] * self.block_size + offset
+
+    def check_invariants(self, expected_tokens: int | None = None) -> None:
+        assert len(self.block_ids) == len(self.fills)
+        assert all(f == self.block_size for f in self.fills[:-1]), "a block before the last is not full"
+        assert not self.fills or 0 < self.fills[-1] <= self.block_size, "the last block is empty"
+        assert sum(self.fills) == self.num_tokens
+        if expected_tokens is not None:
+            assert self.num_tokens == expected_tokens, (
+                f"fill counts sum to {self.num_tokens}, sequence has {expected_tokens} slotted tokens")

@@ -1,0 +1,150 @@
+"""The command line: ``python -m minipaged chat | generate | fetch | bench``.
+
+Engine flags carry vLLM's names (``--block-size``, ``--max-num-seqs``, ...), so a
+command line moves between the two projects unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .model.fetch import DEFAULT_MODEL, KNOWN_MODELS, ModelFetchError, ModelFormatError
+
+# --------------------------------------------------------------------------- flags
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a known model name ({', '.join(KNOWN_MODELS)}) or a Hugging Face "
+                        "Llama directory (config.json, *.safetensors, tokenizer.json)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where to run: 'auto' picks a CUDA GPU if CuPy sees one, else the CPU")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weight and KV cache dtype ('auto': float32 on the CPU)")
+    g.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block (a power of two); the page size of the KV cache")
+    g.add_argument("--num-blocks", type=int, default=None,
+                   help="number of KV blocks in the pool (overrides --kv-cache-space)")
+    g.add_argument("--kv-cache-space", type=float, default=None,
+                   help="KV pool size in GiB on the CPU (default 4)")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most sequences running in one batch")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context length)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: max(max_model_len, 2048))")
+    g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                num_blocks=args.num_blocks, kv_cache_space=args.kv_cache_space,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float,
+                       top_p: float) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer")
+    g.add_argument("--temperature", type=float, default=temperature, help="0 means greedy")
+    g.add_argument("--top-p", type=float, default=top_p, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely (-1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of each request's sampler")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
+
+
+def sampling_params(args: argparse.Namespace, **extra):
+    from .sampling_params import SamplingParams  # noqa: PLC0415
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
+                          ignore_eos=args.ignore_eos, **extra)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minipaged",
+                                     description="minipaged: PagedAttention inference, from scratch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    chat = sub.add_parser("chat", help="talk to the model (streams; /reset, /stats, /exit)",
+                          description="Interactive chat. Reads one message per line from a pipe too. "
+                                      "Ctrl-C stops the current answer, Ctrl-D or /exit quits.")
+    add_engine_flags(chat)
+    add_sampling_flags(chat, max_tokens=512, temperature=0.2, top_p=0.9)
+    chat.add_argument("--system", default=None, help="a system prompt (else the template's default)")
+
+    gen = sub.add_parser("generate", help="complete prompts in one batch",
+                         description="Complete each PROMPT (all in one batch) and print the results.")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    add_engine_flags(gen)
+    add_sampling_flags(gen, max_tokens=64, temperature=0.0, top_p=1.0)
+    gen.add_argument("--json", action="store_true", help="print the outputs as JSON")
+
+    fetch = sub.add_parser("fetch", help="download and convert a known model",
+                           description="Fetch a known model into the cache (~/.cache/minipaged, or "
+                                       "$MINIPAGED_HOME) and convert it to safetensors. Idempotent.")
+    fetch.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=list(KNOWN_MODELS))
+    fetch.add_argument("--gguf", default=None, metavar="PATH",
+                       help="convert this local GGUF file instead of downloading (offline)")
+    fetch.add_argument("--force", action="store_true", help="rebuild even if already converted")
+
+    from .bench import add_bench_parser  # noqa: PLC0415
+
+    add_bench_parser(sub, add_engine_flags)
+    return parser
+
+
+# --------------------------------------------------------------------------- commands
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from .model.fetch import fetch_model  # noqa: PLC0415
+
+    path = fetch_model(args.name, gguf_path=args.gguf, force=args.force)
+    print(path)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .llm import LLM  # noqa: PLC0415
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    if args.json:
+        print(json.dumps([{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids,
+                           "text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
+                           "finish_reason": o.outputs[0].finish_reason,
+                           "cumulative_logprob": o.outputs[0].cumulative_logprob}
+                          for o in outputs], indent=2))
+    else:
+        for o in outputs:
+            print(f"{o.prompt}{o.outputs[0].text}")
+            print(f"--- [{o.outputs[0].finish_reason}, {len(o.outputs[0].token_ids)} tokens]")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .chat import ChatSession  # noqa: PLC0415
+
+    return ChatSession(args).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    commands = {"chat": cmd_chat, "generate": cmd_generate, "fetch": cmd_fetch}
+    try:
+        if args.command == "bench":
+            from .bench import cmd_bench  # noqa: PLC0415
+
+            return cmd_bench(args)
+        return commands[args.command](args)
+    except (ValueError, ModelFetchError, ModelFormatError, NotImplementedError) as err:
+        # User errors (bad flags' values, bad prompts, missing models): one clear line, no traceback.
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,81 @@
+"""Frozen, self-validating configuration: the "boot parameters" of the engine.
+
+Every knob is checked when the object is built, so a bad value fails at once
+with a sentence that names it, never later inside a kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape of the physical KV pool: frames of ``block_size`` token slots."""
+
+    block_size: int = 16
+    num_blocks: int | None = None        # pool size in blocks; None: derived from the space
+    kv_cache_space: float | None = None  # pool size in GiB (CPU); None: 4 GiB, as vLLM's CPU backend
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.block_size, int) and is_power_of_two(self.block_size)
+                 and self.block_size <= 256,
+                 f"block_size must be a power of two between 1 and 256, got {self.block_size!r}")
+        _require(self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks > 0),
+                 f"num_blocks must be a positive integer, got {self.num_blocks!r}")
+        _require(self.kv_cache_space is None or self.kv_cache_space > 0,
+                 f"kv_cache_space must be a positive number of GiB, got {self.kv_cache_space!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Budgets of one scheduling step (how much work the "CPU scheduler" may dispatch)."""
+
+    max_model_len: int                        # longest sequence (prompt + output) a request may reach
+    max_num_seqs: int = 256                   # sequences running at once
+    max_num_batched_tokens: int | None = None  # tokens per step; None: max(max_model_len, 2048)
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.max_model_len, int) and self.max_model_len > 0,
+                 f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs > 0,
+                 f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", max(self.max_model_len, 2048))
+        _require(isinstance(self.max_num_batched_tokens, int)
+                 and self.max_num_batched_tokens >= self.max_model_len,
+                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                 f"max_model_len ({self.max_model_len}) so that any prompt fits in one step")
+
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine was asked for, before the model is loaded."""
+
+    model: str = "smollm2-135m-instruct"
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.model, str) and self.model != "", "model must be a name or a path")
+        _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")

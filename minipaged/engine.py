@@ -1,0 +1,201 @@
+"""LLMEngine: the kernel's main loop. Admit requests, schedule, run, sample, report.
+
+One ``step()`` is one trip round DESIGN.md's data flow::
+
+    Scheduler.schedule()  -> which sequences run and how many tokens each
+    ModelRunner.execute() -> write new K/V into their slots, paged attention, logits
+    Sampler               -> next tokens
+    OutputProcessor       -> text, stop rules; finished sequences free their blocks
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backend import select_backend
+from .block_manager import BlockManager, blocks_for
+from .cache_engine import CacheEngine
+from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .detokenizer import start_offsets
+from .metrics import Metrics
+from .model.config import LlamaConfig
+from .model.fetch import DEFAULT_MODEL, resolve_model
+from .model.llama import LlamaModel
+from .model.tokenizer import Tokenizer
+from .model.weights import load_checkpoint
+from .model_runner import ModelRunner, build_model_input
+from .output_processor import OutputProcessor
+from .outputs import RequestOutput
+from .sampler import Sampler, SampleRequest
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceGroup
+
+
+class RequestError(ValueError):
+    """A request was refused before it was queued; no other request is affected."""
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """A prompt after tokenization: the ids, and the text if there was one."""
+
+    token_ids: list[int]
+    text: str | None
+
+
+class LLMEngine:
+    def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
+                 block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_space: float | None = None, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
+                 seed: int = 0) -> None:
+        self.config = EngineConfig(model=str(model), device=device, dtype=dtype, seed=seed)
+        cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                   kv_cache_space=kv_cache_space)
+        model_dir = resolve_model(self.config.model)
+        self.model_config = LlamaConfig.from_dir(model_dir)
+        max_pos = self.model_config.max_position_embeddings
+        if max_model_len is not None and max_model_len > max_pos:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_pos}")
+        self.scheduler_config = SchedulerConfig(max_model_len=max_model_len or max_pos,
+                                                max_num_seqs=max_num_seqs,
+                                                max_num_batched_tokens=max_num_batched_tokens)
+        self.max_model_len = self.scheduler_config.max_model_len
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.backend = select_backend(self.config.device, self.config.dtype)
+        self.model = LlamaModel(self.model_config, load_checkpoint(model_dir), self.backend.ops,
+                                self.backend.dtype, max_positions=self.max_model_len)
+        self.cache = CacheEngine(self.model_config, cache_config, self.backend.xp, self.backend.dtype)
+        self.block_manager = BlockManager(self.cache.num_blocks, block_size)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.runner = ModelRunner(self.model)
+        self.sampler = Sampler()
+        eos = set(self.tokenizer.stop_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+        self.metrics = Metrics()
+        self.rng = np.random.default_rng(seed)        # seeds requests that bring no seed of their own
+        self.groups: dict[str, SequenceGroup] = {}     # unfinished requests by id
+        self.generators: dict[int, np.random.Generator] = {}  # seq_id -> its random stream
+        self._seq_ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt) -> PromptInput:
+        """Accept a str, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise RequestError("a prompt dict needs a 'prompt' or a 'prompt_token_ids' key")
+        if isinstance(prompt, str):
+            return PromptInput(self.tokenizer.encode(prompt, add_special_tokens=True), prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return PromptInput([int(t) for t in prompt], None)
+        raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _make_group(self, request_id: str, prompt, params: SamplingParams | None) -> SequenceGroup:
+        """Validate and build a request without queueing it; raises RequestError."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.groups:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if params.n != 1:
+            raise RequestError("n > 1 (parallel sampling) is not supported yet; use n=1")
+        p = self.tokenize(prompt)
+        ids = p.token_ids
+        if not ids:
+            raise RequestError("the prompt is empty (it has no tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (ids 0..{vocab - 1})")
+        if len(ids) > self.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len="
+                               f"{self.max_model_len}")
+        # The most KV slots this request can ever hold at once: the last sampled
+        # token is never written, so min(prompt + max_tokens, max_model_len) - 1.
+        longest = max(len(ids), min(len(ids) + params.max_tokens, self.max_model_len) - 1)
+        needed = blocks_for(longest, self.block_manager.block_size)
+        usable = self.block_manager.num_blocks - self.block_manager.watermark_blocks
+        if needed > usable:
+            raise RequestError(
+                f"the request may need {needed} KV blocks ({longest} tokens: prompt {len(ids)} + "
+                f"max_tokens {params.max_tokens}) but the pool has only {usable} usable blocks; "
+                "give the cache more blocks or lower max_tokens")
+        seq = Sequence(next(self._seq_ids), ids)
+        start_offsets(seq)
+        return SequenceGroup(request_id, [seq], params, prompt=p.text)
+
+    def _queue(self, group: SequenceGroup) -> None:
+        seed = group.sampling_params.seed
+        for seq in group.seqs:
+            self.generators[seq.seq_id] = np.random.default_rng(
+                seed if seed is not None else int(self.rng.integers(2**63)))
+        self.groups[group.request_id] = group
+        self.scheduler.add_seq_group(group)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request (FCFS). Bad input raises RequestError and changes nothing."""
+        self._queue(self._make_group(str(request_id), prompt, params))
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancel a request in any state; its blocks are free when this returns."""
+        group = self.scheduler.abort_seq_group(str(request_id))
+        if group is not None:
+            self._forget(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    def _forget(self, group: SequenceGroup) -> None:
+        self.groups.pop(group.request_id, None)
+        for seq in group.seqs:
+            self.generators.pop(seq.seq_id, None)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        tables = [self.block_manager.block_table(s.seq) for s in plan.scheduled]
+        model_input = build_model_input(plan.scheduled, tables, self.block_manager.block_size)
+        logits = self.runner.execute(model_input, self.cache.kv_cache)   # (N, vocab)
+        blocks_in_use = self.block_manager.num_used_blocks                 # before anything is freed
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        requests = [SampleRequest(s.group.sampling_params, self.generators[s.seq.seq_id],
+                                  self.output_processor.banned_tokens(s.group, s.seq))
+                    for s in model_input.sampled]
+        results = self.sampler(logits, requests)
+        now = time.monotonic()
+        touched: dict[str, SequenceGroup] = {}
+        for item, result in zip(model_input.sampled, results):
+            self.output_processor.append(item.group, item.seq, result)
+            if item.group.first_token_time is None:
+                item.group.first_token_time = now
+                self.metrics.ttfts.append(now - item.group.arrival_time)
+            touched[item.group.request_id] = item.group
+        for group in self.scheduler.free_finished():
+            group.finished_time = now
+            self._forget(group)
+        num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
+        self.metrics.record_step(blocks_in_use, num_prompt, len(results))
+        outputs = [self.output_processor.make_output(g) for g in touched.values()]
+        return [o for o in outputs if o is not None]
+
+    # ------------------------------------------------------------------ stats
+    def get_stats(self) -> dict:
+        return self.metrics.snapshot(
+            num_running=self.scheduler.num_running_seqs(),
+            num_waiting=sum(len(g.unfinished_seqs()) for g in self.scheduler.waiting),
+            kv_blocks_used=self.block_manager.num_used_blocks,
+            kv_blocks_total=self.block_manager.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions)

@@ -1,0 +1,90 @@
+"""LLM: the offline front door in vLLM's shape: ``LLM(...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from tqdm.auto import tqdm
+
+from .engine import LLMEngine
+from .model.fetch import DEFAULT_MODEL
+from .outputs import RequestOutput
+from .sampling_params import OutputKind, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
+                 block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_space: float | None = None, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, seed: int = 0, **engine_kwargs) -> None:
+        self.llm_engine = LLMEngine(
+            model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
+            kv_cache_space=kv_cache_space, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            seed=seed, **engine_kwargs)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_stats(self) -> dict:
+        return self.llm_engine.get_stats()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete each prompt; outputs come back in the order of the prompts.
+
+        prompts: a str, a list of str, a list of token-id lists, or dicts with
+        "prompt" / "prompt_token_ids"; sampling_params: one for all, or one each.
+        """
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            # the template already wrote the special tokens as text; add none
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, prompt in zip(outputs, prompts):
+            out.prompt = tokenizer.decode(prompt["prompt_token_ids"])
+        return outputs
+
+    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        # Validate every prompt before queueing any, so one bad prompt leaves no orphans.
+        # Only the final output of each request is wanted here.
+        groups = [engine._make_group(str(next(self._request_ids)), p,
+                                     dataclasses.replace(sp, output_kind=OutputKind.FINAL_ONLY))
+                  for p, sp in zip(prompts, params)]
+        for group in groups:
+            engine._queue(group)
+        order = {g.request_id: i for i, g in enumerate(groups)}
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(groups), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while len(finished) < len(groups) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for request_id in order:          # interrupted (Ctrl-C): leave the engine clean
+                if request_id not in finished:
+                    engine.abort_request(request_id)
+        return sorted(finished.values(), key=lambda o: order[o.request_id])

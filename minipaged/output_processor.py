@@ -1,0 +1,105 @@
+"""OutputProcessor: from sampled token ids to what the user sees, and when a sequence ends.
+
+It appends each sampled token, grows the text incrementally, applies the stop
+rules in vLLM's order (min_tokens, EOS, stop token ids, stop strings, length)
+and packages RequestOutputs as cumulative, delta or final-only reports.
+"""
+
+from __future__ import annotations
+
+from .detokenizer import detokenize_new_tokens
+from .outputs import CompletionOutput, RequestOutput
+from .sampler import SampleResult
+from .sampling_params import OutputKind
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        # what each sequence has already reported, for DELTA outputs: seq_id -> (tokens, chars)
+        self._reported: dict[int, tuple[int, int]] = {}
+
+    def banned_tokens(self, group: SequenceGroup, seq: Sequence) -> list[int]:
+        """Tokens that may not be sampled yet: every stop token until min_tokens is reached."""
+        params = group.sampling_params
+        if seq.num_output_tokens >= params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
+        return eos + list(params.stop_token_ids)
+
+    def append(self, group: SequenceGroup, seq: Sequence, result: SampleResult) -> None:
+        """Add one sampled token to ``seq`` and finish it if a stop rule fires."""
+        params = group.sampling_params
+        token = result.token_id
+        seq.append_token(token, result.logprob)
+        if params.logprobs is not None:
+            seq.logprobs.append(result.top_logprobs)
+        old_len = len(seq.output_text)
+        if params.detokenize:
+            seq.output_text += detokenize_new_tokens(self.tokenizer, seq, params.skip_special_tokens)
+
+        stop_reason, status = None, None
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
+            status = SequenceStatus.FINISHED_STOPPED
+        elif may_stop and token in params.stop_token_ids:
+            status, stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif may_stop and params.stop and params.detokenize:
+            stop_reason = self._truncate_at_stop_string(seq, params, old_len)
+            if stop_reason is not None:
+                status = SequenceStatus.FINISHED_STOPPED
+        if status is None and (seq.num_output_tokens >= params.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            seq.status = status
+            seq.stop_reason = stop_reason
+            if params.detokenize and not isinstance(stop_reason, str):
+                # flush text held back waiting for the rest of a UTF-8 character
+                seq.output_text += detokenize_new_tokens(self.tokenizer, seq, params.skip_special_tokens,
+                                                         final=True)
+
+    @staticmethod
+    def _truncate_at_stop_string(seq: Sequence, params, old_len: int) -> str | None:
+        """If a stop string appeared in the new text, cut the text there and return it."""
+        longest = max(len(s) for s in params.stop)
+        search_from = max(old_len - longest + 1, 0)   # a stop may straddle old and new text
+        for stop in params.stop:
+            index = seq.output_text.find(stop, search_from)
+            if index != -1:
+                end = index + len(stop) if params.include_stop_str_in_output else index
+                seq.output_text = seq.output_text[:end]
+                return stop
+        return None
+
+    def make_output(self, group: SequenceGroup) -> RequestOutput | None:
+        """The report for this step, or None if the request's output kind says to stay quiet."""
+        kind = group.sampling_params.output_kind
+        finished = group.is_finished()
+        if kind == OutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = []
+        for index, seq in enumerate(group.seqs):
+            tokens, text = seq.output_token_ids, seq.output_text
+            logprobs = seq.logprobs if group.sampling_params.logprobs is not None else None
+            if kind == OutputKind.DELTA:
+                n_tok, n_chr = self._reported.get(seq.seq_id, (0, 0))
+                self._reported[seq.seq_id] = (len(tokens), len(text))
+                tokens, text = tokens[n_tok:], text[n_chr:]
+                logprobs = logprobs[n_tok:] if logprobs is not None else None
+            reason = seq.status.value if seq.is_finished() else None
+            completions.append(CompletionOutput(
+                index=index, text=text, token_ids=list(tokens),
+                cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs,
+                finish_reason=reason, stop_reason=seq.stop_reason))
+        if finished:
+            for seq in group.seqs:
+                self._reported.pop(seq.seq_id, None)
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids, outputs=completions, finished=finished,
+            metrics={"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
+                     "finished_time": group.finished_time})

@@ -1,0 +1,75 @@
+"""SamplingParams: how one request wants its tokens chosen and when to stop (vLLM's names)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class OutputKind(enum.Enum):
+    """What each ``LLMEngine.step()`` reports for a request (vLLM's RequestOutputKind)."""
+
+    CUMULATIVE = "cumulative"  # everything generated so far
+    DELTA = "delta"            # only what this step added
+    FINAL_ONLY = "final_only"  # nothing until the request finishes
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0          # 0 means greedy
+    top_p: float = 1.0                # keep the smallest set of tokens whose probability >= top_p
+    top_k: int = -1                   # keep the k most likely tokens; -1 (or 0) keeps all
+    min_p: float = 0.0                # drop tokens less likely than min_p * the top probability
+    seed: int | None = None           # per-request seed: same seed, same tokens
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0               # EOS and stops are ignored before this many tokens
+    logprobs: int | None = None       # return this many top log-probabilities per token
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        def bad(message: str) -> None:
+            raise ValueError(f"invalid SamplingParams: {message}")
+
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                bad(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be a positive integer, got {self.n!r}")
+        if not self.temperature >= 0.0:
+            bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            bad(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not isinstance(s, str) or s == "" for s in stops):
+            bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", stops)
+        ids = list(self.stop_token_ids or [])
+        if any(not isinstance(t, int) or t < 0 for t in ids):
+            bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.output_kind, OutputKind):
+            bad(f"output_kind must be an OutputKind, got {self.output_kind!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

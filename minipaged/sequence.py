@@ -1,0 +1,121 @@
+"""Sequence and SequenceGroup: the processes and the jobs of the engine.
+
+A *request* is a SequenceGroup (a job). Each of its sequences (a process) owns a
+block table in the block manager, the way each process owns a page table.
+Parallel samples and beams are several sequences of one group.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for type hints; keeps this module free of numpy/model imports
+    from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"          # not yet admitted (or preempted by recomputation)
+    RUNNING = "running"          # holds device blocks, scheduled every step
+    FINISHED_STOPPED = "stop"    # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"   # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "abort"   # cancelled by the user
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Sequence:
+    """One stream of tokens: the prompt followed by what has been generated."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose K/V are already in the cache. The scheduler computes the
+    # rest: the whole prompt at admission, then one token per decode step.
+    num_computed_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, if asked
+    output_text: str = ""
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # incremental detokenizer state (see detokenizer.py)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def reset_for_recompute(self) -> None:
+        """Forget the cache: everything (prompt and output) must be computed again."""
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+
+@dataclass
+class SequenceGroup:
+    """One request: its sequences share the prompt and the sampling parameters."""
+
+    request_id: str
+    seqs: list[Sequence]
+    sampling_params: "SamplingParams"
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        return [s for s in self.seqs if status is None or s.status == status]
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished()]
+
+    def is_finished(self) -> bool:
+        return all(s.is_finished() for s in self.seqs)
+
+    def is_prefill(self) -> bool:
+        """True until its prompt (and any recomputed output) is back in the cache."""
+        return any(s.num_uncomputed_tokens > 1 or s.num_computed_tokens == 0
+                   for s in self.unfinished_seqs())
+
+    def max_total_tokens(self, max_model_len: int) -> int:
+        """The longest this request's sequences may become (prompt + max_tokens, capped)."""
+        wanted = self.seqs[0].num_prompt_tokens + self.sampling_params.max_tokens
+        return min(wanted, max_model_len)

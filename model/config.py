@@ -1,0 +1,89 @@
+"""LlamaConfig: the architecture numbers of a Llama-style model, read from config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .fetch import ModelFormatError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelFormatError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ModelFormatError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelFormatError(f"rope_scaling type {rope_type!r} is not supported "
+                                   f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "LlamaConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelFormatError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelFormatError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config") -> "LlamaConfig":
+        arch = raw.get("architectures") or []
+        if raw.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
+            raise ModelFormatError(
+                f"{source} describes model_type={raw.get('model_type')!r}, architectures={arch}; "
+                "minipaged runs Llama-style models (model_type 'llama')")
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "vocab_size") if k not in raw]
+        if missing:
+            raise ModelFormatError(f"{source} lacks {', '.join(missing)}")
+        heads = raw["num_attention_heads"]
+        return cls(
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            vocab_size=raw["vocab_size"],
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+            rope_theta=raw.get("rope_theta", 10000.0),
+            rope_scaling=raw.get("rope_scaling"),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=raw.get("eos_token_id"),
+        )

@@ -1,0 +1,113 @@
+"""The Llama forward pass over a flattened batch of tokens: the "process" the engine runs.
+
+All sequences of a step are concatenated into one batch of T tokens, so every
+weight is used in exactly one matrix product per step, whatever the mix of
+prompts and decodes. Only attention needs to know which token belongs to which
+sequence, and it learns that from the explicit AttentionMetadata.
+
+``ops`` is the backend's kernel namespace (``kernels.cpu``, later ``kernels.cuda``):
+it provides ``xp`` (numpy or cupy), ``rms_norm``, ``rotary``, ``silu_and_mul``,
+``write_kv`` and ``paged_attention``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+
+from ..kernels.layout import AttentionMetadata
+from .config import LlamaConfig
+from .fetch import ModelFormatError
+from .rope import rope_tables
+
+
+@dataclass
+class LayerWeights:
+    input_norm: np.ndarray  # (hidden,)
+    qkv: np.ndarray         # (hidden, q_size + 2 * kv_size)  [q | k | v], laid out for x @ W
+    o: np.ndarray           # (q_size, hidden)
+    post_norm: np.ndarray   # (hidden,)
+    gate_up: np.ndarray     # (hidden, 2 * ffn)  [gate | up]
+    down: np.ndarray        # (ffn, hidden)
+
+
+def _get(tensors: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name not in tensors:
+        raise ModelFormatError(f"the checkpoint has no tensor {name!r}")
+    array = tensors[name]
+    if tuple(array.shape) != shape:
+        raise ModelFormatError(f"tensor {name} has shape {tuple(array.shape)}, config implies {shape}")
+    return array
+
+
+class LlamaModel:
+    def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray], ops: ModuleType,
+                 dtype=np.float32, max_positions: int | None = None) -> None:
+        self.config = config
+        self.ops = ops
+        xp = ops.xp
+        c = config
+        h, q, kv, ffn = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+
+        def put(array: np.ndarray) -> np.ndarray:
+            return xp.asarray(np.ascontiguousarray(array, dtype=dtype))
+
+        embed = _get(tensors, "model.embed_tokens.weight", (c.vocab_size, h))
+        self.embed = put(embed)                                                    # (vocab, hidden)
+        tied = c.tie_word_embeddings or "lm_head.weight" not in tensors
+        head = embed if tied else _get(tensors, "lm_head.weight", (c.vocab_size, h))
+        # A transposed copy even when tied: x @ W with W (hidden, vocab) streams the
+        # weights twice as fast as x @ W.T on the CPU, and the head is 1/5 of the model.
+        self.lm_head = put(head.T)                                                 # (hidden, vocab)
+        self.final_norm = put(_get(tensors, "model.norm.weight", (h,)))
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            # HF stores linear weights as (out, in); fuse q/k/v and gate/up and
+            # transpose once here, so each step is one contiguous x @ W per fused weight.
+            qkv = np.concatenate([_get(tensors, p + "self_attn.q_proj.weight", (q, h)),
+                                  _get(tensors, p + "self_attn.k_proj.weight", (kv, h)),
+                                  _get(tensors, p + "self_attn.v_proj.weight", (kv, h))]).T
+            gate_up = np.concatenate([_get(tensors, p + "mlp.gate_proj.weight", (ffn, h)),
+                                      _get(tensors, p + "mlp.up_proj.weight", (ffn, h))]).T
+            self.layers.append(LayerWeights(
+                input_norm=put(_get(tensors, p + "input_layernorm.weight", (h,))),
+                qkv=put(qkv),
+                o=put(_get(tensors, p + "self_attn.o_proj.weight", (h, q)).T),
+                post_norm=put(_get(tensors, p + "post_attention_layernorm.weight", (h,))),
+                gate_up=put(gate_up),
+                down=put(_get(tensors, p + "mlp.down_proj.weight", (h, ffn)).T),
+            ))
+        cos, sin = rope_tables(c, max_positions or c.max_position_embeddings)
+        self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)  # (max_positions, head_dim // 2)
+        self.scale = 1.0 / float(np.sqrt(c.head_dim))
+
+    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices):
+        """Run T new tokens through the model; return logits only where they are needed.
+
+        input_ids, positions: (T,) int; kv_cache: (layers, 2, blocks, kv_heads, block_size, head_dim)
+        logits_indices: (N,) rows of the batch whose next token will be sampled
+        returns (N, vocab) float32
+        """
+        ops, c = self.ops, self.config
+        num_tokens = input_ids.shape[0]
+        q_size, kv_size = c.q_size, c.kv_size
+        hidden = self.embed[input_ids]                                         # (T, hidden)
+        for i, layer in enumerate(self.layers):
+            x = ops.rms_norm(hidden, layer.input_norm, c.rms_norm_eps)          # (T, hidden)
+            qkv = x @ layer.qkv                                                 # (T, q + 2kv)
+            q = qkv[:, :q_size].reshape(num_tokens, c.num_attention_heads, c.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, c.num_key_value_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size:].reshape(num_tokens, c.num_key_value_heads, c.head_dim)
+            q = ops.rotary(q, positions, self.cos, self.sin)                    # (T, heads, head_dim)
+            k = ops.rotary(k, positions, self.cos, self.sin)                    # (T, kv_heads, head_dim)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)   # (T, heads, head_dim)
+            hidden = hidden + attn.reshape(num_tokens, q_size) @ layer.o
+            x = ops.rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
+            hidden = hidden + ops.silu_and_mul(x @ layer.gate_up) @ layer.down  # (T, hidden)
+        last = ops.rms_norm(hidden[logits_indices], self.final_norm, c.rms_norm_eps)  # (N, hidden)
+        return last @ self.lm_head                                            # (N, vocab)

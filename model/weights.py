@@ -1,0 +1,64 @@
+"""Reading safetensors checkpoints, memory-mapped: the program image loaded from disk.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header
+(name -> dtype, shape, byte offsets) and the raw tensor bytes. Mapping the file
+and viewing each tensor in place means a float32 checkpoint costs no copy and no
+load time until a page is touched, the way ``exec`` maps a binary.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .fetch import ModelFormatError
+
+# safetensors dtype tag -> numpy dtype; BF16 has no numpy dtype and is widened below
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def bf16_to_float32(raw: np.ndarray) -> np.ndarray:
+    """bfloat16 is the top half of a float32: shift the 16 bits back into place."""
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Map one .safetensors file; returns read-only arrays viewing the file (BF16 widened to float32)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ModelFormatError(f"{path} is too short to be a safetensors file")
+        (header_len,) = struct.unpack("<Q", head)
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ModelFormatError(f"{path} does not start with a safetensors JSON header") from None
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)  # (file bytes,)
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _DTYPES:
+            raise ModelFormatError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        array = data[start:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        tensors[name] = bf16_to_float32(array) if info["dtype"] == "BF16" else array
+    return tensors
+
+
+def load_checkpoint(model_dir: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of a model directory (one file or several shards)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"{model_dir} holds no *.safetensors file")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        tensors.update(read_safetensors(file))
+    return tensors

@@ -1,0 +1,28 @@
+import json
+import sys
+from pathlib import Path
+
+import minipaged  # noqa: F401  (first, so OpenBLAS is told not to spin; see minipaged/__init__.py)
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_model.py
+
+from tiny_model import write_tiny_llama  # noqa: E402
+
+GOLDEN = Path(__file__).parent / "golden" / "smollm2_135m_instruct.json"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def untied_model_dir(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-untied"), seed=1,
+                            tie_word_embeddings=False, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="session")
+def golden() -> dict:
+    return json.loads(GOLDEN.read_text())

@@ -1,0 +1,131 @@
+"""Property tests of the memory manager: BlockAllocator, BlockTable, BlockManager.
+
+A hypothesis state machine plays processes arriving (allocate), growing one
+token at a time (append_slots) and exiting (free) in random orders, and checks
+DESIGN.md section 5's invariants after every operation.
+"""
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from minipaged.block_allocator import BlockAllocator
+from minipaged.block_manager import AllocStatus, BlockManager, blocks_for
+from minipaged.block_table import BlockTable
+from minipaged.sampling_params import SamplingParams
+from minipaged.sequence import Sequence, SequenceGroup
+
+
+def make_group(seq_id: int, prompt_len: int) -> SequenceGroup:
+    return SequenceGroup(str(seq_id), [Sequence(seq_id, list(range(prompt_len)))], SamplingParams())
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(1, 40), block_size=st.sampled_from([1, 2, 4, 16]))
+    def setup(self, num_blocks, block_size):
+        self.manager = BlockManager(num_blocks, block_size, watermark=0.0)
+        self.live: dict[int, Sequence] = {}
+        self.next_id = 0
+
+    @rule(prompt_len=st.integers(1, 70))
+    def allocate(self, prompt_len):
+        group = make_group(self.next_id, prompt_len)
+        self.next_id += 1
+        status = self.manager.can_allocate(group)
+        needed = blocks_for(prompt_len, self.manager.block_size)
+        if needed > self.manager.num_blocks:
+            assert status == AllocStatus.NEVER
+        elif needed <= self.manager.num_free_blocks:
+            assert status == AllocStatus.OK
+            free_before = self.manager.num_free_blocks
+            self.manager.allocate(group)
+            assert self.manager.num_free_blocks == free_before - needed
+            self.live[group.seqs[0].seq_id] = group.seqs[0]
+        else:
+            assert status == AllocStatus.LATER
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def append_token(self, data):
+        seq = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        seq.output_token_ids.append(7)       # a decode step produced one more token to cache
+        group = SequenceGroup("g", [seq], SamplingParams())
+        if self.manager.can_append_slots(group):
+            table = self.manager.tables[seq.seq_id]
+            grows = table.needs_new_block()
+            free_before = self.manager.num_free_blocks
+            self.manager.append_slots(seq)
+            assert self.manager.num_free_blocks == free_before - grows
+        else:
+            assert self.manager.num_free_blocks == 0
+            seq.output_token_ids.pop()       # the step could not run; nothing changed
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
+        self.manager.free(seq)
+        self.manager.free(seq)               # freeing twice is harmless (the table is gone)
+
+    @invariant()
+    def invariants(self):
+        m = self.manager
+        m.check_invariants(list(self.live.values()))
+        for seq_id, seq in self.live.items():
+            table = m.tables[seq_id]
+            assert table.num_tokens == seq.num_tokens                  # fill counts sum to length
+            assert len(table) == blocks_for(seq.num_tokens, m.block_size)
+        held = sum(len(m.tables[s]) for s in self.live)
+        assert m.num_used_blocks == held                               # nothing leaked
+        assert m.num_free_blocks + m.num_used_blocks == m.num_blocks
+        assert set(m.tables) == set(self.live)
+
+    def teardown(self):
+        for seq in self.live.values():
+            self.manager.free(seq)
+        assert self.manager.num_free_blocks == self.manager.num_blocks  # everything came back
+        self.manager.check_invariants()
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+def test_allocator_refcounts_and_double_free():
+    pool = BlockAllocator(3)
+    a = pool.allocate()
+    pool.incref(a)
+    pool.free(a)
+    assert pool.num_free == 2            # still held once
+    pool.free(a)
+    assert pool.num_free == 3
+    with pytest.raises(AssertionError, match="double free"):
+        pool.free(a)
+
+
+def test_allocator_reuses_oldest_free_block_first():
+    pool = BlockAllocator(3)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    pool.free(b)
+    pool.free(a)
+    assert pool.allocate() == b          # FIFO free queue
+
+
+def test_block_table_slots_follow_the_table():
+    table = BlockTable(block_size=4)
+    for block in (7, 2, 9):
+        table.append_block(block)
+        for _ in range(4 if block != 9 else 1):
+            table.add_token()
+    assert table.fills == [4, 4, 1] and table.num_tokens == 9
+    assert [table.slot(p) for p in (0, 3, 4, 8)] == [28, 31, 8, 36]
+    table.check_invariants(expected_tokens=9)
+
+
+def test_watermark_keeps_blocks_for_running_sequences():
+    manager = BlockManager(num_blocks=100, block_size=1, watermark=0.05)
+    assert manager.can_allocate(make_group(0, 95)) == AllocStatus.OK
+    assert manager.can_allocate(make_group(1, 96)) == AllocStatus.NEVER
+    manager.allocate(make_group(2, 10))
+    assert manager.can_allocate(make_group(3, 86)) == AllocStatus.LATER

@@ -1,0 +1,78 @@
+"""The command line, driven as a user would: a subprocess, flags, piped stdin."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minipaged import LLM, SamplingParams
+
+
+def run_cli(*args, stdin=""):
+    """Run the CLI; stdout/stderr decoded without newline translation (answers may hold '\\r')."""
+    result = subprocess.run([sys.executable, "-m", "minipaged", *args], input=stdin.encode(),
+                            capture_output=True, timeout=600)
+    result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()
+    return result
+
+
+def test_chat_from_piped_stdin_keeps_history(tiny_model_dir):
+    flags = ["--model", str(tiny_model_dir), "--device", "cpu", "--temperature", "0", "--max-tokens", "6"]
+    result = run_cli("chat", *flags, stdin="hello\n/stats\nand again\n/reset\nhello\n")
+    assert result.returncode == 0, result.stderr
+    llm = LLM(str(tiny_model_dir), device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=6)
+    first = llm.chat([{"role": "user", "content": "hello"}], params, use_tqdm=False)[0].outputs[0].text
+    second = llm.chat([{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
+                       {"role": "user", "content": "and again"}], params, use_tqdm=False)[0].outputs[0].text
+    out = result.stdout
+    assert out.startswith(first + "\n")                       # streamed answer, then a newline
+    stats_line, rest = out[len(first) + 1:].split("\n", 1)
+    assert stats_line.startswith("running 0, waiting 0, KV blocks 0/")   # /stats
+    # the second answer saw the first turn; after /reset the first answer comes again
+    assert rest == second + "\n(conversation cleared)\n" + first + "\n"
+
+
+def test_generate_json(tiny_model_dir):
+    result = run_cli("generate", "abc", "hello", "--model", str(tiny_model_dir), "--device", "cpu",
+                     "--max-tokens", "5", "--ignore-eos", "--json")
+    assert result.returncode == 0, result.stderr
+    outputs = json.loads(result.stdout)
+    assert [o["prompt"] for o in outputs] == ["abc", "hello"]
+    assert all(len(o["token_ids"]) == 5 and o["finish_reason"] == "length" for o in outputs)
+
+
+@pytest.mark.parametrize("args", [["generate"], ["chat", "--block-size", "x"], ["nonsense"],
+                                  ["generate", "hi", "--device", "tpu"]])
+def test_bad_flags_give_usage_error(args):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert "usage:" in result.stderr
+
+
+def test_bad_values_give_one_line_error(tiny_model_dir):
+    result = run_cli("generate", "hi", "--model", str(tiny_model_dir), "--block-size", "12")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == "error: block_size must be a power of two between 1 and 256, got 12"
+    assert "Traceback" not in result.stderr
+    result = run_cli("generate", "hi", "--model", "no-such-model")
+    assert result.returncode == 1 and "known models: smollm2-135m-instruct" in result.stderr
+    result = run_cli("generate", "hi", "--model", str(tiny_model_dir), "--temperature", "-1")
+    assert result.returncode == 1 and "temperature" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_help_explains_flags():
+    result = run_cli("chat", "--help")
+    assert result.returncode == 0
+    for flag in ("--model", "--device", "--dtype", "--block-size", "--num-blocks", "--kv-cache-space",
+                 "--max-num-seqs", "--max-model-len", "--temperature", "--top-p"):
+        assert flag in result.stdout
+
+
+@pytest.mark.slow
+def test_chat_with_smollm2_answers():
+    result = run_cli("chat", "--device", "cpu", "--temperature", "0", "--max-tokens", "32",
+                     "--kv-cache-space", "0.25", stdin="What is the capital of France?\n")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout

@@ -1,0 +1,113 @@
+"""The Numba CPU kernels against their NumPy specs (kernels/reference.py)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minipaged.kernels import cpu
+from minipaged.kernels import reference as spec
+from minipaged.kernels.layout import AttentionMetadata
+
+
+def random_batch(rng, *, block_size, num_heads, num_kv_heads, head_dim, seqs):
+    """A paged KV pool with shuffled physical blocks and a flattened batch of queries.
+
+    seqs: list of (query_len, seq_len); queries are the last query_len positions.
+    """
+    blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in seqs]
+    num_blocks = sum(blocks_per_seq) + 3                       # a few blocks nobody owns
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache = rng.standard_normal(shape).astype(np.float32)
+    v_cache = rng.standard_normal(shape).astype(np.float32)
+    physical = rng.permutation(num_blocks)                    # shuffled: logical order != physical
+    tables = np.full((len(seqs), max(blocks_per_seq)), -1, dtype=np.int32)
+    used = 0
+    for s, n in enumerate(blocks_per_seq):
+        tables[s, :n] = physical[used:used + n]
+        used += n
+    q_lens = [q for q, _ in seqs]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    seq_lens = np.array([n for _, n in seqs], dtype=np.int32)
+    q = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(np.float32)
+    meta = AttentionMetadata(slot_mapping=np.zeros(int(qsl[-1]), np.int64), query_start_loc=qsl,
+                             seq_lens=seq_lens, block_tables=tables, max_query_len=max(q_lens),
+                             max_seq_len=int(seq_lens.max()))
+    return q, k_cache, v_cache, meta
+
+
+@st.composite
+def attention_cases(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64]))
+    num_kv_heads = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 3, 4]))
+    head_dim = draw(st.sampled_from([4, 8, 16, 64]))
+    seqs = []
+    for _ in range(draw(st.integers(1, 5))):
+        seq_len = draw(st.integers(1, 80))
+        kind = draw(st.sampled_from(["decode", "prefill", "partial"]))
+        q_len = {"decode": 1, "prefill": seq_len}.get(kind) or draw(st.integers(1, seq_len))
+        seqs.append((q_len, seq_len))
+    return dict(block_size=block_size, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, seqs=seqs), draw(st.integers(0, 2**31))
+
+
+@settings(max_examples=60, deadline=None)
+@given(attention_cases())
+def test_paged_attention_matches_spec(case):
+    shape, seed = case
+    q, k_cache, v_cache, meta = random_batch(np.random.default_rng(seed), **shape)
+    scale = 1.0 / np.sqrt(shape["head_dim"])
+    got = cpu.paged_attention(q, k_cache, v_cache, meta, scale)
+    want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, scale)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
+def test_paged_attention_both_compilations(monkeypatch, threads):
+    """The kernel is compiled serial and threaded; both must agree with the spec."""
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_ELEMENTS", 0 if threads == "parallel" else 1 << 62)
+    rng = np.random.default_rng(7)
+    q, k_cache, v_cache, meta = random_batch(rng, block_size=16, num_heads=9, num_kv_heads=3,
+                                             head_dim=64, seqs=[(1, 200), (37, 37), (20, 45), (1, 1)])
+    got = cpu.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, 0.125)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([1, 4, 16, 64]), st.integers(1, 40), st.integers(0, 2**31))
+def test_write_kv_matches_spec(block_size, num_tokens, seed):
+    rng = np.random.default_rng(seed)
+    num_blocks, heads, dim = 8 + num_tokens, 2, 8
+    caches = [rng.standard_normal((num_blocks, heads, block_size, dim)).astype(np.float32) for _ in range(2)]
+    expected = [c.copy() for c in caches]
+    slots = rng.choice(num_blocks * block_size, size=num_tokens, replace=False).astype(np.int64)
+    slots[rng.random(num_tokens) < 0.2] = -1                   # padding rows are skipped
+    k, v = (rng.standard_normal((num_tokens, heads, dim)).astype(np.float32) for _ in range(2))
+    cpu.write_kv(caches[0], caches[1], k, v, slots)
+    spec.write_kv(expected[0], expected[1], k, v, slots)
+    np.testing.assert_array_equal(caches[0], expected[0])
+    np.testing.assert_array_equal(caches[1], expected[1])
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 200])
+def test_elementwise_kernels_match_spec(tokens):
+    rng = np.random.default_rng(tokens)
+    x = rng.standard_normal((tokens, 96)).astype(np.float32)
+    w = rng.standard_normal(96).astype(np.float32)
+    np.testing.assert_allclose(cpu.rms_norm(x, w, 1e-5), spec.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+
+    gate_up = rng.standard_normal((tokens, 2 * 48)).astype(np.float32)
+    np.testing.assert_allclose(cpu.silu_and_mul(gate_up), spec.silu_and_mul(gate_up), rtol=1e-5, atol=1e-6)
+
+    heads = rng.standard_normal((tokens, 3, 16)).astype(np.float32)
+    positions = rng.integers(0, 500, size=tokens)
+    angles = np.outer(np.arange(512), 1.0 / 10000 ** (np.arange(0, 16, 2) / 16))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    original = heads.copy()
+    np.testing.assert_allclose(cpu.rotary(heads, positions, cos, sin),
+                               spec.rotary(heads, positions, cos, sin), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(heads, original)            # the input is left untouched
