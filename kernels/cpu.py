@@ -11,6 +11,8 @@ The module is used as an "ops" namespace by the model: ``ops.rms_norm(...)``,
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 from numba import get_num_threads, njit, prange
 
@@ -24,8 +26,16 @@ PARALLEL_MIN_ELEMENTS = 1 << 16
 
 
 def two_ways(fn):
-    """Compile ``fn`` twice: serial (prange acts as range) and across threads."""
-    serial = njit(fastmath=True, cache=True)(fn)
+    """Compile ``fn`` twice: serial (prange acts as range) and across threads.
+
+    The serial copy gets its own name: Numba's on-disk cache is keyed by the
+    function's qualified name and signature, not by the ``parallel`` flag, so
+    two compilations of one function would overwrite each other's cache entry.
+    """
+    twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial",
+                              fn.__defaults__, fn.__closure__)
+    twin.__qualname__ = fn.__qualname__ + "_serial"
+    serial = njit(fastmath=True, cache=True)(twin)
     parallel = njit(fastmath=True, cache=True, parallel=True)(fn)
     return lambda work: parallel if work >= PARALLEL_MIN_ELEMENTS else serial
 
@@ -58,7 +68,7 @@ def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndar
 # --------------------------------------------------------------------------- paged attention
 
 def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                     scale, work, num_threads, out):
+                           scale, work, num_threads, out):
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -66,26 +76,28 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
     # prompt cost more than early ones, and striding spreads them evenly.
     for tid in prange(num_threads):
         for w in range(tid, work.shape[0], num_threads):
-            s, kv_head, t0 = work[w, 0], work[w, 1], work[w, 2]
+            s, t0 = work[w, 0], work[w, 1]
             seq_start, seq_end = query_start_loc[s], query_start_loc[s + 1]
             t1 = min(t0 + QUERY_TILE, seq_end)
             first_pos = seq_lens[s] - (seq_end - seq_start) + (t0 - seq_start)
             last_pos = first_pos + (t1 - t0) - 1
-            rows = (t1 - t0) * group                     # row r = query (r // group), head (r % group)
+            # One item covers every head of its queries, so it reads each block's
+            # contiguous [head 0 | head 1 | ...] chunk once, front to back.
+            rows = (t1 - t0) * num_heads                 # row r = query r // num_heads, head r % num_heads
             qs = np.empty((rows, head_dim), np.float32)  # scaled queries
             acc = np.zeros((rows, head_dim), np.float32)  # running sum of p * v
             row_max = np.full(rows, -np.inf, np.float32)  # running max score (online softmax)
             row_sum = np.zeros(rows, np.float32)          # running sum of p
             scores = np.empty(block_size, np.float32)
             for r in range(rows):
-                head = kv_head * group + r % group
                 for d in range(head_dim):
-                    qs[r, d] = q[t0 + r // group, head, d] * scale
+                    qs[r, d] = q[t0 + r // num_heads, r % num_heads, d] * scale
             for j in range(last_pos // block_size + 1):
                 block = block_tables[s, j]
                 for r in range(rows):
+                    kv_head = (r % num_heads) // group          # GQA: heads share a KV head
                     # causal: this query sees positions <= its own
-                    valid = min(block_size, first_pos + r // group - j * block_size + 1)
+                    valid = min(block_size, first_pos + r // num_heads - j * block_size + 1)
                     if valid <= 0:
                         continue
                     new_max = row_max[r]
@@ -106,38 +118,87 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
                             acc[r, d] += p * v_cache[block, kv_head, o, d]
                     row_max[r] = new_max
             for r in range(rows):
-                head = kv_head * group + r % group
                 inv = 1.0 / row_sum[r]
                 for d in range(head_dim):
-                    out[t0 + r // group, head, d] = acc[r, d] * inv
+                    out[t0 + r // num_heads, r % num_heads, d] = acc[r, d] * inv
 
 
 _paged_attention = two_ways(_paged_attention_body)
 
+# Queries per sequence from which the two attention products go to BLAS instead.
+BLAS_MIN_QUERIES = 32
+# Query rows per BLAS tile, bounding the (rows, context) score matrix.
+BLAS_QUERY_TILE = 256
 
-def attention_work_items(query_start_loc: np.ndarray, num_kv_heads: int) -> np.ndarray:
-    """List the (sequence, kv_head, first query row) tiles of a batch: (W, 3) int64."""
-    q_lens = np.diff(query_start_loc).astype(np.int64)               # (S,)
-    tiles = -(-q_lens // QUERY_TILE)                                  # (S,) ceil
-    seq = np.repeat(np.arange(len(q_lens)), tiles)                    # (num_tiles,)
+
+def attention_work_items(query_start_loc: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+    """List the (sequence, first query row) tiles of the given sequences: (W, 2) int64."""
+    starts = query_start_loc[seqs].astype(np.int64)                   # (n,)
+    q_lens = query_start_loc[seqs + 1].astype(np.int64) - starts       # (n,)
+    tiles = -(-q_lens // QUERY_TILE)                                  # (n,) ceil
+    work = np.empty((int(tiles.sum()), 2), dtype=np.int64)
+    work[:, 0] = np.repeat(seqs, tiles)
     first_tile = np.repeat(np.cumsum(tiles) - tiles, tiles)
-    tile_start = query_start_loc[seq] + (np.arange(len(seq)) - first_tile) * QUERY_TILE
-    work = np.empty((len(seq) * num_kv_heads, 3), dtype=np.int64)
-    work[:, 0] = np.repeat(seq, num_kv_heads)
-    work[:, 1] = np.tile(np.arange(num_kv_heads), len(seq))
-    work[:, 2] = np.repeat(tile_start, num_kv_heads)
+    work[:, 1] = np.repeat(starts, tiles) + (np.arange(len(work)) - first_tile) * QUERY_TILE
     return work
+
+
+def _blas_attention(q, k_cache, v_cache, block_table, seq_len, scale, out) -> None:
+    """Attention of one sequence's many queries with two matrix products per KV head.
+
+    q, out: (n, num_heads, head_dim), the last n positions of a context of seq_len.
+    The context's blocks are gathered into contiguous (seq_len, head_dim) tiles
+    first: the same page-table walk as the kernel, then BLAS does the arithmetic
+    (vLLM's prefills likewise leave the paged kernel for a dense one).
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    blocks = block_table[: -(-seq_len // block_size)]
+    # (kv_heads, seq_len, head_dim): blocks in logical order, heads first
+    keys = k_cache[blocks].transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+    values = v_cache[blocks].transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+    for start in range(0, n, BLAS_QUERY_TILE):
+        stop = min(start + BLAS_QUERY_TILE, n)
+        first_pos = seq_len - n + start
+        last_pos = seq_len - n + stop - 1
+        # (rows,) position of each (query, head-in-group) row; keys beyond last_pos are never seen
+        row_pos = np.repeat(np.arange(first_pos, last_pos + 1), group)
+        future = np.arange(last_pos + 1)[None, :] > row_pos[:, None]       # (rows, keys) causal mask
+        for h in range(num_kv_heads):
+            qh = q[start:stop, h * group:(h + 1) * group].reshape(-1, head_dim)  # (rows, head_dim)
+            scores = qh @ keys[h, : last_pos + 1].T                        # (rows, keys)
+            scores *= scale
+            scores[future] = -np.inf
+            scores -= scores.max(axis=1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=1, keepdims=True)
+            out[start:stop, h * group:(h + 1) * group] = (
+                scores @ values[h, : last_pos + 1]).reshape(stop - start, group, head_dim)
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     meta: AttentionMetadata, scale: float) -> np.ndarray:
-    """Causal attention of q (T, num_heads, head_dim) through block tables -> (T, num_heads, head_dim)."""
+    """Causal attention of q (T, num_heads, head_dim) through block tables -> (T, num_heads, head_dim).
+
+    Sequences with many queries (prompts, prompt chunks) use two BLAS products;
+    decodes and short chunks use the Numba kernel, which streams each block once.
+    """
     out = np.empty(q.shape, dtype=np.float32)
-    work = attention_work_items(meta.query_start_loc, k_cache.shape[1])
-    # work estimate: query rows x context positions x head_dim
-    kernel = _paged_attention(q.shape[0] * q.shape[1] * meta.max_seq_len * q.shape[2] // 8)
-    kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                     meta.query_start_loc, np.float32(scale), work, get_num_threads(), out)
+    qsl = meta.query_start_loc
+    q_lens = np.diff(qsl)                                              # (S,)
+    for s in np.flatnonzero(q_lens >= BLAS_MIN_QUERIES):
+        a, b = qsl[s], qsl[s + 1]
+        _blas_attention(q[a:b], k_cache, v_cache, meta.block_tables[s], int(meta.seq_lens[s]),
+                        scale, out[a:b])
+    small = np.flatnonzero(q_lens < BLAS_MIN_QUERIES)
+    if len(small):
+        work = attention_work_items(qsl, small)
+        # work estimate: query rows x context positions x head_dim
+        rows = int(q_lens[small].sum()) * q.shape[1]
+        kernel = _paged_attention(rows * int(meta.seq_lens[small].max()) * q.shape[2] // 8)
+        kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, qsl,
+               np.float32(scale), work, get_num_threads(), out)
     return out
 
 

@@ -10,13 +10,15 @@ import os
 import sys
 
 # BLAS (numpy's matmuls) and Numba (our kernels) each keep a pool of threads on
-# the same cores. OpenBLAS threads busy-wait ~0.1 s after each call, which makes
-# every Numba parallel kernel wait a scheduler tick (~4 ms) for a core. Telling
-# OpenBLAS to sleep at once removes that; it only works before numpy is loaded
-# (see backend.py for what happens when numpy came first).
-BLAS_SPIN_FIXED = "numpy" not in sys.modules or "OPENBLAS_THREAD_TIMEOUT" in os.environ
+# the same few cores, and each pool busy-waits after its work, stealing the cores
+# the other needs next: a 0.5 ms matmul took 9 ms after a parallel kernel, and
+# decode attention ran at half speed between matmuls. So Numba's OpenMP threads
+# sleep at once (read when Numba starts its pool, at the first parallel kernel),
+# and OpenBLAS threads spin only 2**16 cycles (~25 us) before sleeping (read when
+# numpy loads OpenBLAS: this only takes effect if minipaged is imported first).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if "numpy" not in sys.modules:
-    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 
 import logging  # noqa: E402
 

@@ -10,7 +10,6 @@ import logging
 from dataclasses import dataclass
 from types import ModuleType
 
-import numba
 import numpy as np
 
 logger = logging.getLogger("minipaged")
@@ -49,14 +48,6 @@ def select_backend(device: str, dtype: str) -> Backend:
             logger.info("no CUDA GPU found; running on the CPU")
     if dtype not in ("auto", "float32"):
         raise ValueError(f"dtype={dtype!r} is not supported on the CPU; use 'float32' or 'auto'")
-    from . import BLAS_SPIN_FIXED  # noqa: PLC0415
     from .kernels import cpu  # noqa: PLC0415 (compiles Numba kernels on first use)
 
-    if not BLAS_SPIN_FIXED and numba.get_num_threads() > 1:
-        # numpy was loaded before minipaged, so OpenBLAS threads spin after each
-        # matmul; two thread pools fighting over the cores cost ~4 ms per kernel.
-        # One Numba thread avoids the fight (attention runs on one core).
-        logger.warning("numpy was imported before minipaged: Numba kernels will use one thread. "
-                       "Import minipaged first or set OPENBLAS_THREAD_TIMEOUT=4 for full speed.")
-        numba.set_num_threads(1)
     return Backend("cpu", cpu, np.dtype(np.float32))

@@ -36,6 +36,10 @@ def add_bench_parser(sub, add_engine_flags) -> None:
     p.add_argument("--output-len", type=int, default=None, help="tokens generated per request")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the prompt lengths and ids")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--peer", choices=["hf"], default=None,
+                   help="also run the same prompts through Hugging Face transformers generate "
+                        "(padded batch, float32) in a subprocess and print the ratio; needs the "
+                        "'peers' extra (torch, transformers)")
     add_engine_flags(p)
 
 
@@ -83,6 +87,21 @@ def run_workload(engine, prompts: list[list[int]], output_len: int, progress: bo
     }
 
 
+def run_peer(peer: str, model_dir: str, prompts: list[list[int]], output_len: int) -> dict:
+    """Run a peer on the same prompts in a child process (its threads never meet ours)."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    import numba  # noqa: PLC0415
+
+    cmd = [sys.executable, "-m", "minipaged.bench_peers", peer, "--model-dir", model_dir,
+           "--output-len", str(output_len), "--threads", str(numba.get_num_threads())]
+    done = subprocess.run(cmd, input=json.dumps(prompts), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {peer} peer failed (is the 'peers' extra installed?):\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .cli import engine_kwargs  # noqa: PLC0415
     from .engine import LLMEngine  # noqa: PLC0415
@@ -97,6 +116,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     engine.metrics.kv_blocks_peak = 0
     result = run_workload(engine, prompts, cfg["output_len"])
     report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs(args), "result": result}
+    if args.peer:
+        peer = run_peer(args.peer, str(engine.model_dir), prompts, cfg["output_len"])
+        report["peer"] = peer
+        result = {**result, f"{args.peer}_generation_tok_s": peer["generation_tok_s"],
+                  f"speedup_vs_{args.peer}": result["generation_tok_s"] / peer["generation_tok_s"]}
     width = max(len(k) for k in result)
     print(f"\n{args.workload}: {cfg}")
     for key, value in result.items():

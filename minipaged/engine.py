@@ -58,6 +58,7 @@ class LLMEngine:
         cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                    kv_cache_space=kv_cache_space)
         model_dir = resolve_model(self.config.model)
+        self.model_dir = model_dir
         self.model_config = LlamaConfig.from_dir(model_dir)
         max_pos = self.model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > max_pos:

@@ -65,9 +65,13 @@ def test_paged_attention_matches_spec(case):
 
 
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
-def test_paged_attention_both_compilations(monkeypatch, threads):
-    """The kernel is compiled serial and threaded; both must agree with the spec."""
+@pytest.mark.parametrize("path", ["numba", "blas", "mixed"])
+def test_paged_attention_every_path(monkeypatch, threads, path):
+    """Serial and threaded Numba kernels, and the gather + BLAS path for long query runs
+    (in small query tiles, to cross tile edges), all agree with the spec."""
     monkeypatch.setattr(cpu, "PARALLEL_MIN_ELEMENTS", 0 if threads == "parallel" else 1 << 62)
+    monkeypatch.setattr(cpu, "BLAS_MIN_QUERIES", {"numba": 1 << 30, "blas": 1, "mixed": 20}[path])
+    monkeypatch.setattr(cpu, "BLAS_QUERY_TILE", 7)
     rng = np.random.default_rng(7)
     q, k_cache, v_cache, meta = random_batch(rng, block_size=16, num_heads=9, num_kv_heads=3,
                                              head_dim=64, seqs=[(1, 200), (37, 37), (20, 45), (1, 1)])

@@ -1,0 +1,57 @@
+"""Peers for ``bench --peer hf``: the same workload through Hugging Face transformers ``generate``.
+
+Runs in its own process (``python -m minipaged.bench_peers``), so torch's thread
+pool and ours never share an address space, and prints one JSON line. Needs
+``pip install -e ".[peers]"`` (torch, transformers); minipaged itself never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def hf_generate(model_dir: str, prompts: list[list[int]], output_len: int, threads: int) -> dict:
+    """One padded batch of all prompts (left padding, contiguous cache), greedy, EOS ignored."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    kwargs = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=pad)
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:1, -8:], attention_mask=mask[:1, -8:], **{**kwargs, "max_new_tokens": 2,
+                                                                                 "min_new_tokens": 2})
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        elapsed = time.perf_counter() - start
+    generated = (out.shape[1] - width) * len(prompts)
+    return {"peer": "hf-transformers", "elapsed_s": elapsed, "generated_tokens": generated,
+            "generation_tok_s": generated / elapsed,
+            "total_tok_s": (sum(len(p) for p in prompts) + generated) / elapsed,
+            "torch": torch.__version__, "threads": threads}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("peer", choices=["hf"])
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--output-len", type=int, required=True)
+    p.add_argument("--threads", type=int, required=True)
+    args = p.parse_args()
+    prompts = json.loads(sys.stdin.read())
+    print(json.dumps(hf_generate(args.model_dir, prompts, args.output_len, args.threads)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
