@@ -12,6 +12,7 @@ The module is used as an "ops" namespace by the model: ``ops.rms_norm(...)``,
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 
 import numpy as np
 from numba import get_num_threads, njit, prange
@@ -177,28 +178,49 @@ def _blas_attention(q, k_cache, v_cache, block_table, seq_len, scale, out) -> No
                 scores @ values[h, : last_pos + 1]).reshape(stop - start, group, head_dim)
 
 
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one batch's attention is split, decided once per step and reused by every layer."""
+
+    meta: AttentionMetadata
+    blas_seqs: np.ndarray   # (n,) sequences with long query runs: gather + two BLAS products
+    work: np.ndarray        # (W, 2) (sequence, first query row) tiles for the Numba kernel
+    kernel: object          # the serial or the threaded compilation, by amount of work
+    num_threads: int
+
+
+def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
+    qsl = meta.query_start_loc
+    q_lens = np.diff(qsl)                                              # (S,)
+    long_runs = q_lens >= BLAS_MIN_QUERIES
+    blas_seqs = np.flatnonzero(long_runs)
+    small = np.flatnonzero(~long_runs)
+    work = attention_work_items(qsl, small)
+    # work estimate for the Numba part: query tokens x longest context x 8 heads-ish
+    estimate = int(q_lens[small].sum()) * int(meta.seq_lens[small].max()) * 8 if len(small) else 0
+    return AttentionPlan(meta, blas_seqs, work, _paged_attention(estimate), get_num_threads())
+
+
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                    meta: AttentionMetadata, scale: float) -> np.ndarray:
+                    plan: AttentionPlan | AttentionMetadata, scale: float) -> np.ndarray:
     """Causal attention of q (T, num_heads, head_dim) through block tables -> (T, num_heads, head_dim).
 
     Sequences with many queries (prompts, prompt chunks) use two BLAS products;
     decodes and short chunks use the Numba kernel, which streams each block once.
+    ``plan`` comes from ``plan_attention(meta)`` (a bare ``meta`` is planned here).
     """
+    if isinstance(plan, AttentionMetadata):
+        plan = plan_attention(plan)
+    meta = plan.meta
     out = np.empty(q.shape, dtype=np.float32)
     qsl = meta.query_start_loc
-    q_lens = np.diff(qsl)                                              # (S,)
-    for s in np.flatnonzero(q_lens >= BLAS_MIN_QUERIES):
+    for s in plan.blas_seqs:
         a, b = qsl[s], qsl[s + 1]
         _blas_attention(q[a:b], k_cache, v_cache, meta.block_tables[s], int(meta.seq_lens[s]),
                         scale, out[a:b])
-    small = np.flatnonzero(q_lens < BLAS_MIN_QUERIES)
-    if len(small):
-        work = attention_work_items(qsl, small)
-        # work estimate: query rows x context positions x head_dim
-        rows = int(q_lens[small].sum()) * q.shape[1]
-        kernel = _paged_attention(rows * int(meta.seq_lens[small].max()) * q.shape[2] // 8)
-        kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, qsl,
-               np.float32(scale), work, get_num_threads(), out)
+    if len(plan.work):
+        plan.kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, qsl,
+                    np.float32(scale), plan.work, plan.num_threads, out)
     return out
 
 

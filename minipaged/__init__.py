@@ -16,9 +16,11 @@ import sys
 # sleep at once (read when Numba starts its pool, at the first parallel kernel),
 # and OpenBLAS threads spin only 2**16 cycles (~25 us) before sleeping (read when
 # numpy loads OpenBLAS: this only takes effect if minipaged is imported first).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 if "numpy" not in sys.modules:
-    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
+    THREAD_ENV["OPENBLAS_THREAD_TIMEOUT"] = "16"
+THREAD_ENV = {k: v for k, v in THREAD_ENV.items() if k not in os.environ}  # the user's choice wins
+os.environ.update(THREAD_ENV)
 
 import logging  # noqa: E402
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -96,7 +97,12 @@ def run_peer(peer: str, model_dir: str, prompts: list[list[int]], output_len: in
 
     cmd = [sys.executable, "-m", "minipaged.bench_peers", peer, "--model-dir", model_dir,
            "--output-len", str(output_len), "--threads", str(numba.get_num_threads())]
-    done = subprocess.run(cmd, input=json.dumps(prompts), capture_output=True, text=True)
+    from . import THREAD_ENV  # noqa: PLC0415
+
+    # The peer gets the environment the user gave us, not our thread settings
+    # (passive OpenMP waiting would slow torch's own pool down).
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_ENV}
+    done = subprocess.run(cmd, input=json.dumps(prompts), capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"the {peer} peer failed (is the 'peers' extra installed?):\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

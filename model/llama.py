@@ -7,7 +7,7 @@ sequence, and it learns that from the explicit AttentionMetadata.
 
 ``ops`` is the backend's kernel namespace (``kernels.cpu``, later ``kernels.cuda``):
 it provides ``xp`` (numpy or cupy), ``rms_norm``, ``rotary``, ``silu_and_mul``,
-``write_kv`` and ``paged_attention``.
+``write_kv``, ``plan_attention`` and ``paged_attention``.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ class LlamaModel:
         num_tokens = input_ids.shape[0]
         q_size, kv_size = c.q_size, c.kv_size
         hidden = self.embed[input_ids]                                         # (T, hidden)
+        plan = ops.plan_attention(meta)         # how attention splits this batch, for every layer
         for i, layer in enumerate(self.layers):
             x = ops.rms_norm(hidden, layer.input_norm, c.rms_norm_eps)          # (T, hidden)
             qkv = x @ layer.qkv                                                 # (T, q + 2kv)
@@ -105,7 +106,7 @@ class LlamaModel:
             k = ops.rotary(k, positions, self.cos, self.sin)                    # (T, kv_heads, head_dim)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)   # (T, heads, head_dim)
+            attn = ops.paged_attention(q, k_cache, v_cache, plan, self.scale)   # (T, heads, head_dim)
             hidden = hidden + attn.reshape(num_tokens, q_size) @ layer.o
             x = ops.rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             hidden = hidden + ops.silu_and_mul(x @ layer.gate_up) @ layer.down  # (T, hidden)
