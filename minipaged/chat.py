@@ -44,7 +44,9 @@ class ChatSession:
         while True:
             try:
                 line = input("> ") if self.interactive else sys.stdin.readline()
-            except EOFError:
+            except EOFError:  # Ctrl-D
+                if self.interactive:
+                    print()
                 return
             except KeyboardInterrupt:  # Ctrl-C at the prompt: drop the line, keep going
                 print()

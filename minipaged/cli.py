@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from .model.fetch import DEFAULT_MODEL, KNOWN_MODELS, ModelFetchError, ModelFormatError
+from .model.errors import ModelFetchError, ModelFormatError
+from .model.fetch import DEFAULT_MODEL, KNOWN_MODELS
 
 # --------------------------------------------------------------------------- flags
 

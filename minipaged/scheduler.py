@@ -97,8 +97,9 @@ class Scheduler:
             else:
                 for seq in group.unfinished_seqs():
                     self.block_manager.append_slots(seq)
-                    out.scheduled.append(ScheduledSeq(group, seq, seq.num_uncomputed_tokens, True, False))
-                    budget -= seq.num_uncomputed_tokens
+                    out.scheduled.append(ScheduledSeq(group, seq, num_new_tokens=1, do_sample=True,
+                                                      is_prefill=False))
+                    budget -= 1
                 still_running.append(group)
         self.running = still_running
 
@@ -119,7 +120,8 @@ class Scheduler:
             self.block_manager.allocate(group)
             for seq in group.unfinished_seqs():
                 seq.status = SequenceStatus.RUNNING
-                out.scheduled.append(ScheduledSeq(group, seq, seq.num_uncomputed_tokens, True, True))
+                out.scheduled.append(ScheduledSeq(group, seq, seq.num_uncomputed_tokens, do_sample=True,
+                                                  is_prefill=True))
             budget -= num_tokens
             self.running.append(group)
         return out

@@ -68,10 +68,6 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
-    @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
     def is_finished(self) -> bool:
         return self.status.is_finished
 
@@ -101,21 +97,8 @@ class SequenceGroup:
     def prompt_token_ids(self) -> list[int]:
         return self.seqs[0].prompt_token_ids
 
-    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
-        return [s for s in self.seqs if status is None or s.status == status]
-
     def unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished()]
 
     def is_finished(self) -> bool:
         return all(s.is_finished() for s in self.seqs)
-
-    def is_prefill(self) -> bool:
-        """True until its prompt (and any recomputed output) is back in the cache."""
-        return any(s.num_uncomputed_tokens > 1 or s.num_computed_tokens == 0
-                   for s in self.unfinished_seqs())
-
-    def max_total_tokens(self, max_model_len: int) -> int:
-        """The longest this request's sequences may become (prompt + max_tokens, capped)."""
-        wanted = self.seqs[0].num_prompt_tokens + self.sampling_params.max_tokens
-        return min(wanted, max_model_len)

@@ -6,9 +6,26 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .fetch import ModelFormatError
+from .errors import ModelFormatError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def read_config_json(model_dir: str | Path) -> dict:
+    """config.json of a model directory, checked to describe a Llama-style model."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelFormatError(f"{model_dir} is not a model directory: config.json is missing")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelFormatError(f"{path} is not valid JSON: {err}") from None
+    architectures = raw.get("architectures") or []
+    if raw.get("model_type") != "llama" and "LlamaForCausalLM" not in architectures:
+        raise ModelFormatError(
+            f"{model_dir} is not a Llama model: config.json has model_type={raw.get('model_type')!r}, "
+            f"architectures={architectures!r} (expected 'llama' / 'LlamaForCausalLM')")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -50,22 +67,10 @@ class LlamaConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "LlamaConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ModelFormatError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelFormatError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_config_json(model_dir), source=str(Path(model_dir) / "config.json"))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> "LlamaConfig":
-        arch = raw.get("architectures") or []
-        if raw.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
-            raise ModelFormatError(
-                f"{source} describes model_type={raw.get('model_type')!r}, architectures={arch}; "
-                "minipaged runs Llama-style models (model_type 'llama')")
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads", "vocab_size") if k not in raw]
         if missing:

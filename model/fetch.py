@@ -18,15 +18,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config import read_config_json
+from .errors import ModelFetchError, ModelFormatError  # noqa: F401 (also importable from here)
+
 COMPLETE_MARKER = ".minipaged-complete"  # written last: its presence means "fully converted"
-
-
-class ModelFetchError(RuntimeError):
-    """A model could not be found, downloaded or verified."""
-
-
-class ModelFormatError(ValueError):
-    """A directory or file is not a model minipaged can load (not a Llama in HF layout)."""
 
 
 @dataclass(frozen=True)
@@ -181,18 +176,7 @@ def fetch_model(name: str, *, gguf_path: str | Path | None = None, force: bool =
 def validate_model_dir(path: str | Path) -> Path:
     """Check that `path` holds a Hugging Face Llama model; raise ModelFormatError naming what is wrong."""
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelFormatError(f"{path} is not a model directory: config.json is missing")
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ModelFormatError(f"{config_file} is not valid JSON: {err}") from None
-    architectures = config.get("architectures") or []
-    if config.get("model_type") != "llama" and "LlamaForCausalLM" not in architectures:
-        raise ModelFormatError(
-            f"{path} is not a Llama model: config.json has model_type={config.get('model_type')!r}, "
-            f"architectures={architectures!r} (expected 'llama' / 'LlamaForCausalLM')")
+    read_config_json(path)  # exists, parses, and says llama
     if not any(path.glob("*.safetensors")):
         raise ModelFormatError(f"{path} has no *.safetensors weights (other formats are not supported)")
     if not (path / "tokenizer.json").is_file():

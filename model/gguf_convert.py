@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
-from .fetch import ModelFormatError
+from .errors import ModelFormatError
 
 # GGUF tensor name (per layer, after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.").
 LAYER_TENSORS = {

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..kernels.layout import AttentionMetadata
 from .config import LlamaConfig
-from .fetch import ModelFormatError
+from .errors import ModelFormatError
 from .rope import rope_tables
 
 

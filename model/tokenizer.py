@@ -18,7 +18,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as Backend
 
-from .fetch import ModelFormatError
+from .errors import ModelFormatError
 
 
 def _read_json(path: Path) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .fetch import ModelFormatError
+from .errors import ModelFormatError
 
 # safetensors dtype tag -> numpy dtype; BF16 has no numpy dtype and is widened below
 _DTYPES = {
