@@ -66,6 +66,31 @@ def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndar
     _write_kv(k_cache, v_cache, k, v, slot_mapping)
 
 
+# --------------------------------------------------------------------------- block copies (DMA)
+
+@njit(cache=True)
+def _swap_blocks(src, dst, block_mapping):
+    for i in range(block_mapping.shape[0]):
+        s, d = block_mapping[i, 0], block_mapping[i, 1]
+        for layer in range(src.shape[0]):
+            for kv in range(2):
+                dst[layer, kv, d] = src[layer, kv, s]
+
+
+def swap_blocks(src: np.ndarray, dst: np.ndarray, block_mapping: np.ndarray) -> None:
+    """Copy blocks ``block_mapping[:, 0]`` of ``src`` to ``block_mapping[:, 1]`` of ``dst``, all layers.
+
+    src, dst: (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim); block_mapping: (n, 2)
+    """
+    if len(block_mapping):
+        _swap_blocks(src, dst, np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2))
+
+
+def copy_blocks(kv_cache: np.ndarray, block_mapping: np.ndarray) -> None:
+    """Copy-on-write: duplicate blocks inside one pool (destinations are fresh blocks)."""
+    swap_blocks(kv_cache, kv_cache, block_mapping)
+
+
 # --------------------------------------------------------------------------- paged attention
 
 def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,

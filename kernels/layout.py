@@ -57,7 +57,7 @@ class AttentionMetadata:
     query_start_loc: np.ndarray  # (S+1,) int32 cumulative query counts
     seq_lens: np.ndarray         # (S,) int32  context length of each sequence, new tokens included
     block_tables: np.ndarray     # (S, max_blocks) int32 physical block ids, -1 padded
-    max_query_len: int           # 1 means a pure decode batch (the fast path)
+    max_query_len: int           # longest query run (1 for a batch of decodes)
     max_seq_len: int
 
     @property

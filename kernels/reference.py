@@ -27,6 +27,18 @@ def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndar
         v_cache[block, :, offset, :] = v[t]
 
 
+def swap_blocks(src: np.ndarray, dst: np.ndarray, block_mapping: np.ndarray) -> None:
+    """Copy whole blocks, every layer, keys and values (in place on ``dst``).
+
+    src, dst:      (num_layers, 2, num_blocks_{src,dst}, num_kv_heads, block_size, head_dim)
+    block_mapping: (n, 2) rows of (source block, destination block)
+    Swapping out is device -> CPU pool, swapping in CPU pool -> device; copy-on-write
+    is the same operation with src and dst the same pool.
+    """
+    for src_block, dst_block in block_mapping:
+        dst[:, :, dst_block] = src[:, :, src_block]
+
+
 def gather_context(cache: np.ndarray, block_table: np.ndarray, seq_len: int) -> np.ndarray:
     """Read one sequence's first ``seq_len`` K (or V) vectors through its block table.
 

@@ -7,6 +7,7 @@ device; it only receives the kernel namespace chosen here.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -50,4 +51,8 @@ def select_backend(device: str, dtype: str) -> Backend:
         raise ValueError(f"dtype={dtype!r} is not supported on the CPU; use 'float32' or 'auto'")
     from .kernels import cpu  # noqa: PLC0415 (compiles Numba kernels on first use)
 
+    if "OPENBLAS_THREAD_TIMEOUT" not in os.environ:
+        logger.info("numpy was imported before minipaged, so its BLAS threads busy-wait after "
+                    "each matmul and slow the Numba kernels down (up to 2x); import minipaged "
+                    "first, or set OPENBLAS_THREAD_TIMEOUT=16")
     return Backend("cpu", cpu, np.dtype(np.float32))

@@ -19,7 +19,7 @@ from .sequence import Sequence, SequenceGroup
 class AllocStatus(enum.Enum):
     OK = "ok"        # fits now
     LATER = "later"  # fits once other requests free their blocks
-    NEVER = "never"  # larger than the whole pool
+    NEVER = "never"  # larger than the pool minus the watermark: can never be admitted
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

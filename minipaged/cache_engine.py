@@ -30,9 +30,14 @@ class CacheEngine:
                                  f"{self.bytes_per_block} bytes; give it more space")
         # (layers, 2, num_blocks, kv_heads, block_size, head_dim); zeros are mapped
         # lazily by the OS, so an unused pool costs address space, not RAM.
-        self.kv_cache = xp.zeros(kv_cache_shape(c.num_hidden_layers, self.num_blocks,
-                                                c.num_key_value_heads, cache_config.block_size,
-                                                c.head_dim), dtype=dtype)
+        shape = kv_cache_shape(c.num_hidden_layers, self.num_blocks, c.num_key_value_heads,
+                               cache_config.block_size, c.head_dim)
+        try:
+            self.kv_cache = xp.zeros(shape, dtype=dtype)
+        except MemoryError:
+            raise ValueError(f"could not allocate a KV pool of {self.num_blocks} blocks "
+                             f"({self.total_bytes / GIB:.1f} GiB); lower kv_cache_space or "
+                             "num_blocks") from None
 
     @property
     def total_bytes(self) -> int:

@@ -81,26 +81,30 @@ class ChatSession:
                 self.messages.append({"role": "assistant", "content": answer})
         return 0
 
-    def prompt_ids(self) -> list[int]:
-        """The templated conversation, dropping the oldest turns if it would not fit."""
+    def fitted_prompt(self) -> tuple[list[dict], list[int]]:
+        """The conversation (oldest turns dropped if it would not fit) and its token ids."""
         tokenizer = self.engine.tokenizer
         room = self.engine.max_model_len - 1
+        messages = list(self.messages)
+        first_turn = 1 if messages and messages[0]["role"] == "system" else 0
         while True:
-            text = tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             ids = tokenizer.encode(text, add_special_tokens=False)
-            first_turn = 1 if self.messages and self.messages[0]["role"] == "system" else 0
-            if len(ids) <= room or len(self.messages) - first_turn <= 1:
-                return ids
-            del self.messages[first_turn:first_turn + 2]  # oldest user + assistant pair
-            print("(oldest turn dropped to fit max_model_len)", file=sys.stderr)
+            if len(ids) <= room or len(messages) - first_turn <= 1:
+                return messages, ids
+            del messages[first_turn:first_turn + 2]  # oldest user + assistant pair
 
     def answer(self) -> str | None:
         request_id = f"chat-{next(self._ids)}"
+        messages, ids = self.fitted_prompt()
         try:
-            self.engine.add_request(request_id, self.prompt_ids(), self.params)
+            self.engine.add_request(request_id, ids, self.params)
         except RequestError as err:
             print(f"error: {err}", file=sys.stderr)
             return None
+        if len(messages) < len(self.messages):  # accepted: the trimmed history is the history now
+            print("(oldest turns dropped to fit max_model_len)", file=sys.stderr)
+            self.messages[:] = messages
         pieces = []
         try:
             while self.engine.has_unfinished_requests():

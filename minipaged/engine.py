@@ -61,10 +61,12 @@ class LLMEngine:
         self.model_dir = model_dir
         self.model_config = LlamaConfig.from_dir(model_dir)
         max_pos = self.model_config.max_position_embeddings
+        if max_model_len is not None and not (isinstance(max_model_len, int) and max_model_len > 0):
+            raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
         if max_model_len is not None and max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}")
-        self.scheduler_config = SchedulerConfig(max_model_len=max_model_len or max_pos,
+        self.scheduler_config = SchedulerConfig(max_model_len=max_pos if max_model_len is None else max_model_len,
                                                 max_num_seqs=max_num_seqs,
                                                 max_num_batched_tokens=max_num_batched_tokens)
         self.max_model_len = self.scheduler_config.max_model_len
@@ -90,7 +92,9 @@ class LLMEngine:
         """Accept a str, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
+                prompt = prompt["prompt_token_ids"]
+                if not isinstance(prompt, (list, tuple)):
+                    raise RequestError(f"prompt_token_ids must be a list of ints, got {type(prompt).__name__}")
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -100,6 +104,7 @@ class LLMEngine:
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
             return PromptInput([int(t) for t in prompt], None)
         raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
 
     def _make_group(self, request_id: str, prompt, params: SamplingParams | None) -> SequenceGroup:
         """Validate and build a request without queueing it; raises RequestError."""
@@ -128,9 +133,10 @@ class LLMEngine:
         usable = self.block_manager.num_blocks - self.block_manager.watermark_blocks
         if needed > usable:
             raise RequestError(
-                f"the request may need {needed} KV blocks ({longest} tokens: prompt {len(ids)} + "
-                f"max_tokens {params.max_tokens}) but the pool has only {usable} usable blocks; "
-                "give the cache more blocks or lower max_tokens")
+                f"the request may need {needed} KV blocks ({longest} cached tokens: prompt "
+                f"{len(ids)} + max_tokens {params.max_tokens} - 1, as the last token is never "
+                f"cached) but the pool has only {usable} usable blocks; give the cache more "
+                "blocks or lower max_tokens")
         seq = Sequence(next(self._seq_ids), ids)
         start_offsets(seq)
         return SequenceGroup(request_id, [seq], params, prompt=p.text)
@@ -158,6 +164,7 @@ class LLMEngine:
 
     def _forget(self, group: SequenceGroup) -> None:
         self.groups.pop(group.request_id, None)
+        self.output_processor.forget(group)
         for seq in group.seqs:
             self.generators.pop(seq.seq_id, None)
 
@@ -170,12 +177,14 @@ class LLMEngine:
         model_input = build_model_input(plan.scheduled, tables, self.block_manager.block_size)
         logits = self.runner.execute(model_input, self.cache.kv_cache)   # (N, vocab)
         blocks_in_use = self.block_manager.num_used_blocks                 # before anything is freed
-        for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
         requests = [SampleRequest(s.group.sampling_params, self.generators[s.seq.seq_id],
                                   self.output_processor.banned_tokens(s.group, s.seq))
                     for s in model_input.sampled]
         results = self.sampler(logits, requests)
+        # Only now does the step change sequences: if anything above raised (or was
+        # interrupted), the same sequences are simply scheduled again next step.
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
         now = time.monotonic()
         touched: dict[str, SequenceGroup] = {}
         for item, result in zip(model_input.sampled, results):
@@ -184,12 +193,14 @@ class LLMEngine:
                 item.group.first_token_time = now
                 self.metrics.ttfts.append(now - item.group.arrival_time)
             touched[item.group.request_id] = item.group
+        for group in touched.values():
+            if group.is_finished():
+                group.finished_time = now
+        outputs = [self.output_processor.make_output(g) for g in touched.values()]
         for group in self.scheduler.free_finished():
-            group.finished_time = now
             self._forget(group)
         num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
         self.metrics.record_step(blocks_in_use, num_prompt, len(results))
-        outputs = [self.output_processor.make_output(g) for g in touched.values()]
         return [o for o in outputs if o is not None]
 
     # ------------------------------------------------------------------ stats

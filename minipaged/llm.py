@@ -40,6 +40,8 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
@@ -71,15 +73,15 @@ class LLM:
         groups = [engine._make_group(str(next(self._request_ids)), p,
                                      dataclasses.replace(sp, output_kind=OutputKind.FINAL_ONLY))
                   for p, sp in zip(prompts, params)]
-        for group in groups:
-            engine._queue(group)
         order = {g.request_id: i for i, g in enumerate(groups)}
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(groups), desc="Processed prompts", disable=not use_tqdm)
         try:
+            for group in groups:
+                engine._queue(group)
             while len(finished) < len(groups) and engine.has_unfinished_requests():
                 for out in engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in order:  # others' requests are not ours
                         finished[out.request_id] = out
                         bar.update(1)
         finally:

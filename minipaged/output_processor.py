@@ -37,20 +37,21 @@ class OutputProcessor:
         seq.append_token(token, result.logprob)
         if params.logprobs is not None:
             seq.logprobs.append(result.top_logprobs)
-        old_len = len(seq.output_text)
-        if params.detokenize:
-            seq.output_text += detokenize_new_tokens(self.tokenizer, seq, params.skip_special_tokens)
 
-        stop_reason, status = None, None
+        status, stop_reason = None, None
         may_stop = seq.num_output_tokens >= params.min_tokens
         if may_stop and not params.ignore_eos and token in self.eos_token_ids:
             status = SequenceStatus.FINISHED_STOPPED
         elif may_stop and token in params.stop_token_ids:
             status, stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif may_stop and params.stop and params.detokenize:
-            stop_reason = self._truncate_at_stop_string(seq, params, old_len)
-            if stop_reason is not None:
-                status = SequenceStatus.FINISHED_STOPPED
+        stop_token = status is not None
+        if params.detokenize and not (stop_token and not params.include_stop_str_in_output):
+            old_len = len(seq.output_text)
+            seq.output_text += detokenize_new_tokens(self.tokenizer, seq, params.skip_special_tokens)
+            if not stop_token and may_stop and params.stop:
+                stop_reason = self._truncate_at_stop_string(seq, params, old_len)
+                if stop_reason is not None:
+                    status = SequenceStatus.FINISHED_STOPPED
         if status is None and (seq.num_output_tokens >= params.max_tokens
                                or seq.num_tokens >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
@@ -59,8 +60,10 @@ class OutputProcessor:
             seq.stop_reason = stop_reason
             if params.detokenize and not isinstance(stop_reason, str):
                 # flush text held back waiting for the rest of a UTF-8 character
-                seq.output_text += detokenize_new_tokens(self.tokenizer, seq, params.skip_special_tokens,
-                                                         final=True)
+                # (leaving out the stop token's own text unless it was asked for)
+                seq.output_text += detokenize_new_tokens(
+                    self.tokenizer, seq, params.skip_special_tokens, final=True,
+                    exclude_last=stop_token and not params.include_stop_str_in_output)
 
     @staticmethod
     def _truncate_at_stop_string(seq: Sequence, params, old_len: int) -> str | None:
@@ -75,6 +78,11 @@ class OutputProcessor:
                 return stop
         return None
 
+    def forget(self, group: SequenceGroup) -> None:
+        """Drop what was reported for a finished or aborted request."""
+        for seq in group.seqs:
+            self._reported.pop(seq.seq_id, None)
+
     def make_output(self, group: SequenceGroup) -> RequestOutput | None:
         """The report for this step, or None if the request's output kind says to stay quiet."""
         kind = group.sampling_params.output_kind
@@ -84,6 +92,11 @@ class OutputProcessor:
         completions = []
         for index, seq in enumerate(group.seqs):
             tokens, text = seq.output_token_ids, seq.output_text
+            if group.sampling_params.stop and not seq.is_finished():
+                # Hold back what could still turn out to be the start of a stop
+                # string, so streamed text never shows what the final text cuts.
+                hold = max(len(s) for s in group.sampling_params.stop) - 1
+                text = text[:max(len(text) - hold, 0)]
             logprobs = seq.logprobs if group.sampling_params.logprobs is not None else None
             if kind == OutputKind.DELTA:
                 n_tok, n_chr = self._reported.get(seq.seq_id, (0, 0))
@@ -96,8 +109,7 @@ class OutputProcessor:
                 cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs,
                 finish_reason=reason, stop_reason=seq.stop_reason))
         if finished:
-            for seq in group.seqs:
-                self._reported.pop(seq.seq_id, None)
+            self.forget(group)
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids, outputs=completions, finished=finished,

@@ -62,11 +62,11 @@ def shaped_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 class Sampler:
     def __call__(self, logits: np.ndarray, requests: list[SampleRequest]) -> list[SampleResult]:
         """logits: (N, V) float32 on the host, row i belongs to requests[i]."""
+        logprobs = log_softmax(logits)                 # (N, V) the model's own, before any ban
         logits = np.array(logits, dtype=np.float32)   # (N, V) own copy: bans write into it
         for i, req in enumerate(requests):
             if req.banned_token_ids:
                 logits[i, req.banned_token_ids] = -np.inf
-        logprobs = log_softmax(logits)                 # (N, V)
         greedy_tokens = logits.argmax(axis=-1)         # (N,) used by temperature-0 rows
         results = []
         for i, req in enumerate(requests):

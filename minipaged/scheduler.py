@@ -30,6 +30,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int   # the query length: a whole prompt, or 1 for a decode
     do_sample: bool       # these tokens end the known context: sample the next one
+                          # (always true until chunked prefill splits a prompt over steps)
     is_prefill: bool      # prompt (or recomputed) tokens rather than one decode token
 
 
@@ -83,7 +84,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
-        # 1. Running requests decode one token per sequence, earliest arrival first.
+        # 1. Running requests compute their next token (their whole prompt, if a step
+        #    was interrupted before it finished), earliest arrival first.
         queue = deque(self.running)
         still_running: list[SequenceGroup] = []
         while queue:
@@ -95,12 +97,16 @@ class Scheduler:
                 if victim is group:
                     break
             else:
+                still_running.append(group)
+                num_tokens = sum(s.num_uncomputed_tokens for s in group.unfinished_seqs())
+                if num_tokens > budget:
+                    continue  # keeps its blocks; runs next step
                 for seq in group.unfinished_seqs():
                     self.block_manager.append_slots(seq)
-                    out.scheduled.append(ScheduledSeq(group, seq, num_new_tokens=1, do_sample=True,
-                                                      is_prefill=False))
-                    budget -= 1
-                still_running.append(group)
+                    out.scheduled.append(ScheduledSeq(
+                        group, seq, seq.num_uncomputed_tokens, do_sample=True,
+                        is_prefill=seq.num_computed_tokens < seq.num_prompt_tokens))
+                budget -= num_tokens
         self.running = still_running
 
         # 2. Admit waiting requests in arrival order; the first that does not fit
@@ -116,14 +122,14 @@ class Scheduler:
                 break
             if self.block_manager.can_allocate(group) != AllocStatus.OK:
                 break  # LATER; NEVER is refused before a request is queued
-            self.waiting.popleft()
+            # in a queue at every moment, so an interrupt here can never orphan blocks
+            self.running.append(self.waiting.popleft())
             self.block_manager.allocate(group)
             for seq in group.unfinished_seqs():
                 seq.status = SequenceStatus.RUNNING
-                out.scheduled.append(ScheduledSeq(group, seq, seq.num_uncomputed_tokens, do_sample=True,
-                                                  is_prefill=True))
+                out.scheduled.append(ScheduledSeq(group, seq, seq.num_uncomputed_tokens,
+                                                  do_sample=True, is_prefill=True))
             budget -= num_tokens
-            self.running.append(group)
         return out
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:

@@ -34,6 +34,20 @@ def test_chat_from_piped_stdin_keeps_history(tiny_model_dir):
     assert rest == second + "\n(conversation cleared)\n" + first + "\n"
 
 
+def test_refused_message_keeps_the_history(tiny_model_dir):
+    flags = ["--model", str(tiny_model_dir), "--device", "cpu", "--temperature", "0", "--max-tokens", "4",
+             "--max-model-len", "64"]
+    result = run_cli("chat", *flags, stdin="hi\n" + "x" * 80 + "\nagain\n")
+    assert result.returncode == 0, result.stderr
+    assert "error: the prompt has" in result.stderr and "max_model_len=64" in result.stderr
+    llm = LLM(str(tiny_model_dir), device="cpu", max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    first = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0].outputs[0].text
+    third = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": first},
+                      {"role": "user", "content": "again"}], params, use_tqdm=False)[0].outputs[0].text
+    assert result.stdout == first + "\n" + third + "\n"
+
+
 def test_generate_json(tiny_model_dir):
     result = run_cli("generate", "abc", "hello", "--model", str(tiny_model_dir), "--device", "cpu",
                      "--max-tokens", "5", "--ignore-eos", "--json")

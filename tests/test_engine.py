@@ -1,5 +1,7 @@
 """The whole engine on a tiny random Llama, against the dense reference model."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -284,3 +286,130 @@ def test_stats(tiny_model_dir):
     # three sequences of 9 + 12 - 1 = 20 cached tokens at the end: 5 blocks each
     assert stats["kv_blocks_peak"] == 15 and stats["kv_usage"] == 0.0
     assert stats["generation_tokens"] == 36 and stats["prompt_tokens"] == 27
+
+
+# ---------------------------------------------------------------- regressions from review
+
+
+def test_streamed_text_never_shows_what_a_stop_string_cuts(tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    prompt = {"prompt_token_ids": random_prompts(1, seed=5)[0]}
+    text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    stop = text[6:9]                                   # three characters in the middle
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    engine.add_request("d", prompt, dataclasses.replace(params, output_kind=OutputKind.DELTA))
+    engine.add_request("c", prompt, params)
+    deltas, cumulative = "", []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "d":
+                deltas += out.outputs[0].text
+            else:
+                cumulative.append(out.outputs[0].text)
+    final = text[:text.index(stop)]
+    assert deltas == final and cumulative[-1] == final
+    assert all(final.startswith(c) for c in cumulative)        # never shows text that is later cut
+    assert not engine.output_processor._reported
+
+
+def test_stop_token_text_is_left_out_unless_asked(tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    tok = llm.get_tokenizer()
+    prompt = {"prompt_token_ids": random_prompts(1, seed=5)[0]}
+    tokens = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = next(t for t in tokens[3:] if 35 <= t < 129)     # a printable ASCII byte token
+    cut = tokens.index(stop_at)
+    for include in (False, True):
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                  stop_token_ids=[stop_at], include_stop_str_in_output=include),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == tokens[:cut + 1]               # the stop token id is reported
+        kept = tokens[:cut + 1] if include else tokens[:cut]
+        assert out.text == tok.decode(kept, skip_special_tokens=True)
+
+
+def test_min_tokens_does_not_change_logprobs(tiny_model_dir, reference):
+    """Bans steer the choice, but logprobs stay the model's own distribution."""
+    llm = make_llm(tiny_model_dir)
+    prompt = random_prompts(1, seed=6)[0]
+    eos = llm.get_tokenizer().eos_token_id
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=3, logprobs=3, min_tokens=3, stop_token_ids=[40]), use_tqdm=False)[0]
+    ref = log_softmax(reference.logits(prompt + out.outputs[0].token_ids).astype(np.float32))
+    for i, top in enumerate(out.outputs[0].logprobs):
+        row = ref[len(prompt) - 1 + i]
+        assert all(abs(lp - row[t]) < 1e-4 for t, lp in top.items())
+        assert eos not in out.outputs[0].token_ids and 40 not in out.outputs[0].token_ids
+
+
+def test_a_failed_step_changes_nothing(tiny_model_dir, reference, monkeypatch):
+    engine = LLMEngine(str(tiny_model_dir), device="cpu")
+    prompts = random_prompts(3, seed=13)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    engine.step()
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt                   # e.g. Ctrl-C in the middle of the model
+        return real(*args)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+    for i, p in enumerate(prompts):
+        assert len(results[str(i)]) == 12
+        assert_greedy(reference, p, results[str(i)])
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_generate_ignores_other_requests_and_cleans_up(tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    llm.llm_engine.add_request("someone-else", [5, 6, 7], SamplingParams(max_tokens=2))
+    out = llm.generate({"prompt_token_ids": [8, 9]}, SamplingParams(max_tokens=30, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 30
+    with pytest.raises(ValueError, match="seed"):
+        llm.generate([{"prompt_token_ids": [5]}] * 2, [GREEDY, SamplingParams(seed=-1)], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(stop=5), "stop"), (dict(stop_token_ids=5), "stop_token_ids"), (dict(seed=-1), "seed"),
+    (dict(temperature=float("inf")), "temperature"), (dict(stop="x", detokenize=False), "detokenize"),
+])
+def test_more_invalid_sampling_params(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**bad)
+
+
+def test_tiny_temperature_is_greedy(tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    prompt = {"prompt_token_ids": random_prompts(1, seed=4)[0]}
+    greedy = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    tiny = llm.generate(prompt, SamplingParams(temperature=1e-320, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    assert tiny == greedy
+
+
+def test_more_bad_requests(tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    with pytest.raises(RequestError, match="prompt_token_ids must be a list"):
+        llm.generate({"prompt_token_ids": 5}, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts must be"):
+        llm.generate(None, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_llm(tiny_model_dir, max_model_len=0)
+    with pytest.raises(ValueError, match="could not allocate a KV pool"):
+        make_llm(tiny_model_dir, kv_cache_space=1e9)
