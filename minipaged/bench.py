@@ -12,8 +12,12 @@ import json
 import os
 import time
 
+from dataclasses import dataclass
+
 import numpy as np
 from tqdm.auto import tqdm
+
+from .metrics import Metrics
 
 WORKLOADS = {
     # name: (description, defaults)
@@ -23,7 +27,29 @@ WORKLOADS = {
                       dict(num_prompts=1, min_prompt_len=16, max_prompt_len=16, output_len=128)),
     "prefill": ("one long prompt, one output token: prompt processing speed",
                 dict(num_prompts=1, min_prompt_len=256, max_prompt_len=256, output_len=1)),
+    "long-prompts": ("N short requests decoding while LONG_PROMPTS long prompts arrive one by one "
+                     "(every ARRIVAL_GAP steps): the stall decodes suffer (inter-token latency)",
+                     dict(num_prompts=16, min_prompt_len=32, max_prompt_len=32, output_len=96,
+                          long_prompts=4, long_prompt_len=1024, arrival_gap=8)),
 }
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: list[int]      # token ids
+    output_len: int
+    arrival_step: int = 0  # engine steps after the start at which the request arrives
+    measured: bool = True  # counts in the latency figures (the long intruders do not)
+
+
+def make_requests(workload: str, cfg: dict, vocab: int, seed: int) -> list[BenchRequest]:
+    requests = [BenchRequest(p, cfg["output_len"]) for p in
+                make_prompts(cfg["num_prompts"], cfg["min_prompt_len"], cfg["max_prompt_len"], vocab, seed)]
+    if workload == "long-prompts":
+        longs = make_prompts(cfg["long_prompts"], cfg["long_prompt_len"], cfg["long_prompt_len"], vocab, seed + 1)
+        requests += [BenchRequest(p, 8, arrival_step=(i + 1) * cfg["arrival_gap"], measured=False)
+                     for i, p in enumerate(longs)]
+    return requests
 
 
 def add_bench_parser(sub, add_engine_flags) -> None:
@@ -35,6 +61,9 @@ def add_bench_parser(sub, add_engine_flags) -> None:
     p.add_argument("--min-prompt-len", type=int, default=None)
     p.add_argument("--max-prompt-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None, help="tokens generated per request")
+    p.add_argument("--long-prompts", type=int, default=None, help="long-prompts: how many long prompts")
+    p.add_argument("--long-prompt-len", type=int, default=None, help="long-prompts: their length")
+    p.add_argument("--arrival-gap", type=int, default=None, help="long-prompts: steps between arrivals")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the prompt lengths and ids")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--peer", choices=["hf"], default=None,
@@ -54,37 +83,58 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def run_workload(engine, prompts: list[list[int]], output_len: int, progress: bool = True) -> dict:
-    """Feed all prompts at once and step until done; returns timings and token counts."""
+def run_workload(engine, requests: list[BenchRequest], progress: bool = True) -> dict:
+    """Feed the requests (each at its arrival step), step until done; timings and token counts."""
     from .sampling_params import OutputKind, SamplingParams  # noqa: PLC0415
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False,
-                            output_kind=OutputKind.FINAL_ONLY)
-    start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"bench-{i}", ids, params)
+    pending = sorted(enumerate(requests), key=lambda r: r[1].arrival_step)
+    last_token_time: dict[str, float] = {}
+    gaps: list[float] = []            # inter-token latencies of measured requests (s per token)
     outputs = []
-    with tqdm(total=len(prompts), desc="requests", disable=not progress) as bar:
-        while engine.has_unfinished_requests():
+    step = 0
+    start = time.perf_counter()
+    with tqdm(total=len(requests), desc="requests", disable=not progress) as bar:
+        while pending or engine.has_unfinished_requests():
+            while pending and pending[0][1].arrival_step <= step:
+                i, req = pending.pop(0)
+                engine.add_request(f"bench-{i}", req.prompt, SamplingParams(
+                    temperature=0.0, max_tokens=req.output_len, ignore_eos=True, detokenize=False,
+                    output_kind=OutputKind.DELTA))
             for out in engine.step():
-                outputs.append(out)
-                bar.update(1)
+                now = time.perf_counter()
+                rid = out.request_id
+                new = len(out.outputs[0].token_ids)
+                if rid in last_token_time and new and requests[int(rid.split("-")[1])].measured:
+                    gaps.extend([(now - last_token_time[rid]) / new] * new)
+                last_token_time[rid] = now
+                if out.finished:
+                    outputs.append(out)
+                    bar.update(1)
+            step += 1
     elapsed = time.perf_counter() - start
-    ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outputs]
-    tpot = [(o.metrics["finished_time"] - o.metrics["first_token_time"]) / (len(o.outputs[0].token_ids) - 1)
-            for o in outputs if len(o.outputs[0].token_ids) > 1]
-    prompt_tokens = sum(len(p) for p in prompts)
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    measured = [o for o in outputs if requests[int(o.request_id.split("-")[1])].measured]
+    ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in measured]
+    lengths = {o.request_id: requests[int(o.request_id.split("-")[1])].output_len for o in measured}
+    tpot = [(o.metrics["finished_time"] - o.metrics["first_token_time"]) / (lengths[o.request_id] - 1)
+            for o in measured if lengths[o.request_id] > 1]
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    generated = sum(r.output_len for r in requests)
+    stats = engine.get_stats()
     return {
-        "requests": len(prompts), "prompt_tokens": prompt_tokens, "generated_tokens": generated,
+        "requests": len(requests), "prompt_tokens": prompt_tokens, "generated_tokens": generated,
         "elapsed_s": elapsed,
         "generation_tok_s": generated / elapsed,
         "total_tok_s": (prompt_tokens + generated) / elapsed,
         "prompt_tok_s_first_token": prompt_tokens / max(ttft) if ttft else None,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
-        "decode_tok_s_single": 1.0 / percentile(tpot, 50) if len(prompts) == 1 and tpot else None,
-        "kv_blocks_peak": engine.get_stats()["kv_blocks_peak"],
+        "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
+        "decode_tok_s_single": 1.0 / percentile(tpot, 50) if len(requests) == 1 and tpot else None,
+        "kv_blocks_peak": stats["kv_blocks_peak"],
+        "num_preemptions": stats["num_preemptions"],
+        "num_preemptions_swap": stats["num_preemptions_swap"],
+        "num_preemptions_recompute": stats["num_preemptions_recompute"],
+        "blocks_swapped_out": stats["blocks_swapped_out"],
     }
 
 
@@ -115,14 +165,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _, defaults = WORKLOADS[args.workload]
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
     engine = LLMEngine(**engine_kwargs(args))
-    prompts = make_prompts(cfg["num_prompts"], cfg["min_prompt_len"], cfg["max_prompt_len"],
-                           engine.model_config.vocab_size, args.workload_seed)
-    # Warm-up: compile the kernels and touch the weights before the clock starts.
-    run_workload(engine, make_prompts(2, 8, 8, engine.model_config.vocab_size, 1), 2, progress=False)
-    engine.metrics.kv_blocks_peak = 0
-    result = run_workload(engine, prompts, cfg["output_len"])
+    vocab = engine.model_config.vocab_size
+    requests = make_requests(args.workload, cfg, vocab, args.workload_seed)
+    # Warm-up: compile the kernels and touch the weights; then start the counters afresh.
+    run_workload(engine, [BenchRequest(p, 2) for p in make_prompts(2, 40, 40, vocab, 1)], progress=False)
+    engine.metrics = Metrics()
+    engine.scheduler.reset_counters()
+    result = run_workload(engine, requests)
+    prompts = [r.prompt for r in requests]
     report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs(args), "result": result}
     if args.peer:
+        if len({r.output_len for r in requests}) != 1 or any(r.arrival_step for r in requests):
+            raise ValueError(f"--peer runs one padded batch: the {args.workload} workload does not fit it")
         peer = run_peer(args.peer, str(engine.model_dir), prompts, cfg["output_len"])
         report["peer"] = peer
         result = {**result, f"{args.peer}_generation_tok_s": peer["generation_tok_s"],

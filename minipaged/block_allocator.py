@@ -19,8 +19,8 @@ class BlockAllocator:
     """Free queue + ref counts over the block ids ``0 .. num_blocks-1``."""
 
     def __init__(self, num_blocks: int, name: str = "device") -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"a {name} pool needs at least one block, got {num_blocks}")
+        if num_blocks < 0:
+            raise ValueError(f"a {name} pool cannot have {num_blocks} blocks")
         self.name = name
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks            # (num_blocks,) holders of each block
@@ -35,6 +35,11 @@ class BlockAllocator:
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool in use (0 for an empty pool)."""
+        return self.num_used / self.num_blocks if self.num_blocks else 0.0
 
     def allocate(self) -> int:
         """Take a free block; its ref count becomes 1."""

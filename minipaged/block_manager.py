@@ -1,10 +1,13 @@
 """BlockManager: the memory manager, mapping every sequence's tokens to physical KV slots.
 
-It plays the part of an OS virtual-memory manager: it owns the frame allocator
-and one page table (BlockTable) per sequence, decides whether a new process
-fits (``can_allocate``), grows a process's memory one page at a time
-(``append_slots``) and releases everything when it exits (``free``).
-It never touches the KV data itself; it only hands out addresses.
+It plays the part of an OS virtual-memory manager: it owns the frame allocators
+(the device pool and the CPU swap pool) and one page table (BlockTable) per
+sequence, decides whether a new process fits (``can_allocate``), grows a
+process's memory one page at a time (``append_slots``), pages a whole process
+out to swap and back (``swap_out`` / ``swap_in``) and releases everything when
+it exits (``free``). It never touches the KV data itself: swapping returns a
+plan of (source block, destination block) pairs that the cache engine executes,
+the way a kernel programs a DMA engine.
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
+                 watermark: float = 0.01) -> None:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks, name="device")
+        self.cpu_allocator = BlockAllocator(num_cpu_blocks, name="cpu")  # the swap pool
         # Keep a few blocks free when admitting new prompts, so running
         # sequences can still grow right after an admission (no thrashing).
         self.watermark_blocks = int(watermark * num_blocks)
-        self.tables: dict[int, BlockTable] = {}  # seq_id -> its page table
+        self.tables: dict[int, BlockTable] = {}  # seq_id -> its page table (device or CPU blocks)
+        self.on_cpu: set[int] = set()            # seq_ids whose table points into the swap pool
 
     # ------------------------------------------------------------------ queries
     @property
@@ -54,6 +60,22 @@ class BlockManager:
     def slot(self, seq: Sequence, position: int) -> int:
         return self.tables[seq.seq_id].slot(position)
 
+    def _blocks_of(self, group: SequenceGroup) -> list[int]:
+        """The distinct physical blocks the group's live sequences hold (shared ones once)."""
+        seen: dict[int, None] = {}
+        for seq in group.unfinished_seqs():
+            for block in self.tables[seq.seq_id].block_ids:
+                seen[block] = None
+        return list(seen)
+
+    def num_new_blocks(self, seqs: list[Sequence], num_lookahead: int = 0) -> int:
+        """Blocks these sequences need to slot their newest token and ``num_lookahead`` more."""
+        needed = 0
+        for seq in seqs:
+            table = self.tables[seq.seq_id]
+            needed += max(blocks_for(seq.num_tokens + num_lookahead, self.block_size) - len(table), 0)
+        return needed
+
     # ------------------------------------------------------------------ admission
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         """Could every sequence of ``group`` get slots for all its tokens?"""
@@ -69,26 +91,64 @@ class BlockManager:
         for seq in group.unfinished_seqs():
             assert seq.seq_id not in self.tables, f"sequence {seq.seq_id} is already allocated"
             self.tables[seq.seq_id] = BlockTable(self.block_size)
-            self._grow(seq)
+            self._grow(seq, seq.num_tokens)
 
     # ------------------------------------------------------------------ growth
-    def can_append_slots(self, group: SequenceGroup) -> bool:
-        """Is there a free block for every running sequence that needs a new one this step?"""
-        needed = sum(1 for s in group.unfinished_seqs()
-                     if self.tables[s.seq_id].num_tokens < s.num_tokens
-                     and self.tables[s.seq_id].needs_new_block())
-        return needed <= self.num_free_blocks
+    def can_append_slots(self, group: SequenceGroup, num_lookahead: int = 0) -> bool:
+        """Is there a free block for every running sequence that needs one this step?"""
+        return self.num_new_blocks(group.unfinished_seqs(), num_lookahead) <= self.num_free_blocks
 
-    def append_slots(self, seq: Sequence) -> None:
-        """Map the slot of the token this decode step writes (a new block if the last is full)."""
-        self._grow(seq)
+    def append_slots(self, seq: Sequence, num_lookahead: int = 0) -> None:
+        """Map the slots this step writes: the newest token, plus ``num_lookahead`` more
+        for a multi-step decode (a new block whenever the last one is full)."""
+        self._grow(seq, seq.num_tokens + num_lookahead)
 
-    def _grow(self, seq: Sequence) -> None:
+    def _grow(self, seq: Sequence, num_slots: int) -> None:
         table = self.tables[seq.seq_id]
-        while table.num_tokens < seq.num_tokens:
+        while table.num_tokens < num_slots:
             if table.needs_new_block():
                 table.append_block(self.allocator.allocate())
             table.add_token()
+
+    # ------------------------------------------------------------------ swapping
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        return len(self._blocks_of(group)) <= self.cpu_allocator.num_free
+
+    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Page the group out: CPU blocks replace its device blocks in every table.
+
+        Returns the copy plan [(device block, CPU block)]; a block shared by several
+        sequences is copied once and stays shared on the CPU side.
+        """
+        return self._move(group, self.allocator, self.cpu_allocator, to_cpu=True)
+
+    def can_swap_in(self, group: SequenceGroup, num_lookahead: int = 0) -> bool:
+        """Room for its blocks and their next growth, leaving the watermark free."""
+        needed = len(self._blocks_of(group)) + self.num_new_blocks(group.unfinished_seqs(), num_lookahead)
+        return self.num_free_blocks - needed >= self.watermark_blocks
+
+    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Page the group back in; returns the copy plan [(CPU block, device block)]."""
+        return self._move(group, self.cpu_allocator, self.allocator, to_cpu=False)
+
+    def _move(self, group: SequenceGroup, src: BlockAllocator, dst: BlockAllocator,
+              to_cpu: bool) -> list[tuple[int, int]]:
+        mapping: dict[int, int] = {}  # source block -> destination block
+        for seq in group.unfinished_seqs():
+            table = self.tables[seq.seq_id]
+            assert (seq.seq_id in self.on_cpu) != to_cpu, f"sequence {seq.seq_id} is already there"
+            for i, block in enumerate(table.block_ids):
+                if block in mapping:
+                    dst.incref(mapping[block])
+                else:
+                    mapping[block] = dst.allocate()
+                table.block_ids[i] = mapping[block]
+                src.free(block)
+            if to_cpu:
+                self.on_cpu.add(seq.seq_id)
+            else:
+                self.on_cpu.discard(seq.seq_id)
+        return list(mapping.items())
 
     # ------------------------------------------------------------------ release
     def free(self, seq: Sequence) -> None:
@@ -96,24 +156,30 @@ class BlockManager:
         table = self.tables.pop(seq.seq_id, None)
         if table is None:
             return
+        pool = self.cpu_allocator if seq.seq_id in self.on_cpu else self.allocator
+        self.on_cpu.discard(seq.seq_id)
         for block_id in table.block_ids:
-            self.allocator.free(block_id)
+            pool.free(block_id)
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self, seqs: list[Sequence] | None = None) -> None:
-        """Ref count == number of tables holding the block; free blocks are held by no table."""
-        self.allocator.check_invariants()
-        holders = [0] * self.num_blocks
-        for table in self.tables.values():
-            table.check_invariants()
-            for block_id in table.block_ids:
-                holders[block_id] += 1
-        for block_id, count in enumerate(holders):
-            assert count == self.allocator.ref_counts[block_id], (
-                f"block {block_id}: {count} tables hold it but its ref count is "
-                f"{self.allocator.ref_counts[block_id]}")
+        """In each pool: ref count == number of tables holding the block; free blocks are held by none."""
+        for pool, on_cpu in ((self.allocator, False), (self.cpu_allocator, True)):
+            pool.check_invariants()
+            holders = [0] * pool.num_blocks
+            for seq_id, table in self.tables.items():
+                if (seq_id in self.on_cpu) == on_cpu:
+                    table.check_invariants()
+                    for block_id in table.block_ids:
+                        holders[block_id] += 1
+            for block_id, count in enumerate(holders):
+                assert count == pool.ref_counts[block_id], (
+                    f"{pool.name} block {block_id}: {count} tables hold it but its ref count is "
+                    f"{pool.ref_counts[block_id]}")
+        assert self.on_cpu <= set(self.tables), "a swapped-out sequence has no table"
         for seq in seqs or []:
             table = self.tables.get(seq.seq_id)
             if table is not None:
-                assert table.num_tokens <= seq.num_tokens, (
-                    f"sequence {seq.seq_id} maps {table.num_tokens} slots for {seq.num_tokens} tokens")
+                assert table.num_tokens >= seq.num_computed_tokens, (
+                    f"sequence {seq.seq_id} has {seq.num_computed_tokens} cached tokens but "
+                    f"only {table.num_tokens} slots")

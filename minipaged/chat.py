@@ -22,7 +22,8 @@ def format_stats(stats: dict) -> str:
     return (f"running {stats['num_running']}, waiting {stats['num_waiting']}, "
             f"KV blocks {stats['kv_blocks_used']}/{stats['kv_blocks_total']} "
             f"(peak {stats['kv_blocks_peak']}, usage {stats['kv_usage']:.1%}), "
-            f"preemptions {stats['num_preemptions']}, prompt tokens {stats['prompt_tokens']}, "
+            f"preemptions {stats['num_preemptions']} (swap {stats['num_preemptions_swap']}, "
+            f"recompute {stats['num_preemptions_recompute']}), prompt tokens {stats['prompt_tokens']}, "
             f"generated tokens {stats['generation_tokens']}")
 
 

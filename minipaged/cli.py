@@ -15,8 +15,11 @@ from .model.fetch import DEFAULT_MODEL, KNOWN_MODELS
 
 # --------------------------------------------------------------------------- flags
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
+def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0) -> None:
     g = p.add_argument_group("engine")
+    g.add_argument("--log-stats-interval", type=float, default=log_stats_interval, metavar="SECONDS",
+                   help="print a stats line (throughput, queues, KV usage, preemptions) this often "
+                        f"on stderr; 0 turns it off (default {log_stats_interval:g})")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"a known model name ({', '.join(KNOWN_MODELS)}) or a Hugging Face "
                         "Llama directory (config.json, *.safetensors, tokenizer.json)")
@@ -36,6 +39,16 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (default: max(max_model_len, 2048))")
+    g.add_argument("--swap-space", type=float, default=4.0,
+                   help="GiB of CPU memory for KV blocks swapped out by preemption")
+    g.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"],
+                   help="how a preempted request gives its blocks back: swap them to CPU memory, "
+                        "drop them and recompute later, or auto (swap unless short or the swap "
+                        "space is full)")
+    g.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="split long prompts into chunks that share steps with running decodes")
+    g.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps run per scheduling decision (multi-step scheduling)")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
 
 
@@ -43,7 +56,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                 num_blocks=args.num_blocks, kv_cache_space=args.kv_cache_space,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+                max_num_batched_tokens=args.max_num_batched_tokens, swap_space=args.swap_space,
+                preemption_mode=args.preemption_mode,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                num_scheduler_steps=args.num_scheduler_steps, seed=args.seed,
+                log_stats_interval=args.log_stats_interval)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float,
@@ -74,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="talk to the model (streams; /reset, /stats, /exit)",
                           description="Interactive chat. Reads one message per line from a pipe too. "
                                       "Ctrl-C stops the current answer, Ctrl-D or /exit quits.")
-    add_engine_flags(chat)
+    add_engine_flags(chat, log_stats_interval=0.0)
     add_sampling_flags(chat, max_tokens=512, temperature=0.2, top_p=0.9)
     chat.add_argument("--system", default=None, help="a system prompt (else the template's default)")
 

@@ -29,6 +29,8 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None        # pool size in blocks; None: derived from the space
     kv_cache_space: float | None = None  # pool size in GiB (CPU); None: 4 GiB, as vLLM's CPU backend
+    swap_space: float = 4.0              # GiB of CPU memory for blocks swapped out (vLLM's default)
+    watermark: float = 0.01              # fraction of the pool kept free when admitting
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and is_power_of_two(self.block_size)
@@ -38,27 +40,48 @@ class CacheConfig:
                  f"num_blocks must be a positive integer, got {self.num_blocks!r}")
         _require(self.kv_cache_space is None or self.kv_cache_space > 0,
                  f"kv_cache_space must be a positive number of GiB, got {self.kv_cache_space!r}")
+        _require(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
+                 f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        _require(isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1,
+                 f"watermark must be in [0, 1), got {self.watermark!r}")
+
+
+PREEMPTION_MODES = ("swap", "recompute", "auto")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Budgets of one scheduling step (how much work the "CPU scheduler" may dispatch)."""
 
-    max_model_len: int                        # longest sequence (prompt + output) a request may reach
-    max_num_seqs: int = 256                   # sequences running at once
-    max_num_batched_tokens: int | None = None  # tokens per step; None: max(max_model_len, 2048)
+    max_model_len: int                         # longest sequence (prompt + output) a request may reach
+    max_num_seqs: int = 256                    # sequences running at once
+    max_num_batched_tokens: int | None = None  # tokens per step; None: see below
+    enable_chunked_prefill: bool = False       # split long prompts over several steps
+    preemption_mode: str = "auto"              # how a request gives its blocks back: swap, recompute, auto
+    num_scheduler_steps: int = 1               # decode steps run per scheduling decision
 
     def __post_init__(self) -> None:
         _require(isinstance(self.max_model_len, int) and self.max_model_len > 0,
                  f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs > 0,
                  f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        _require(self.preemption_mode in PREEMPTION_MODES,
+                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        _require(isinstance(self.num_scheduler_steps, int) and self.num_scheduler_steps >= 1,
+                 f"num_scheduler_steps must be a positive integer, got {self.num_scheduler_steps!r}")
         if self.max_num_batched_tokens is None:
-            object.__setattr__(self, "max_num_batched_tokens", max(self.max_model_len, 2048))
-        _require(isinstance(self.max_num_batched_tokens, int)
-                 and self.max_num_batched_tokens >= self.max_model_len,
-                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                 f"max_model_len ({self.max_model_len}) so that any prompt fits in one step")
+            # Without chunking a whole prompt must fit in one step.
+            default = max(2048, self.max_num_seqs,
+                          0 if self.enable_chunked_prefill else self.max_model_len)
+            object.__setattr__(self, "max_num_batched_tokens", default)
+        budget = self.max_num_batched_tokens
+        _require(isinstance(budget, int) and budget >= self.max_num_seqs,
+                 f"max_num_batched_tokens ({budget!r}) must be at least max_num_seqs "
+                 f"({self.max_num_seqs}), so every running sequence can decode in one step")
+        _require(self.enable_chunked_prefill or budget >= self.max_model_len,
+                 f"max_num_batched_tokens ({budget}) must be at least max_model_len "
+                 f"({self.max_model_len}) so that any prompt fits in one step; or turn on "
+                 "enable_chunked_prefill")
 
 
 DEVICES = ("auto", "cpu", "cuda")

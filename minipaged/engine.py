@@ -10,7 +10,9 @@ One ``step()`` is one trip round DESIGN.md's data flow::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -36,6 +38,9 @@ from .scheduler import Scheduler
 from .sequence import Sequence, SequenceGroup
 
 
+logger = logging.getLogger("minipaged")
+
+
 class RequestError(ValueError):
     """A request was refused before it was queued; no other request is affected."""
 
@@ -53,10 +58,12 @@ class LLMEngine:
                  block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_space: float | None = None, max_num_seqs: int = 256,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-                 seed: int = 0) -> None:
+                 swap_space: float = 4.0, preemption_mode: str = "auto",
+                 enable_chunked_prefill: bool = False, num_scheduler_steps: int = 1,
+                 seed: int = 0, log_stats_interval: float = 0.0) -> None:
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype, seed=seed)
         cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                   kv_cache_space=kv_cache_space)
+                                   kv_cache_space=kv_cache_space, swap_space=swap_space)
         model_dir = resolve_model(self.config.model)
         self.model_dir = model_dir
         self.model_config = LlamaConfig.from_dir(model_dir)
@@ -66,22 +73,27 @@ class LLMEngine:
         if max_model_len is not None and max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}")
-        self.scheduler_config = SchedulerConfig(max_model_len=max_pos if max_model_len is None else max_model_len,
-                                                max_num_seqs=max_num_seqs,
-                                                max_num_batched_tokens=max_num_batched_tokens)
+        self.scheduler_config = SchedulerConfig(
+            max_model_len=max_pos if max_model_len is None else max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
+            num_scheduler_steps=num_scheduler_steps)
         self.max_model_len = self.scheduler_config.max_model_len
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.backend = select_backend(self.config.device, self.config.dtype)
         self.model = LlamaModel(self.model_config, load_checkpoint(model_dir), self.backend.ops,
                                 self.backend.dtype, max_positions=self.max_model_len)
-        self.cache = CacheEngine(self.model_config, cache_config, self.backend.xp, self.backend.dtype)
-        self.block_manager = BlockManager(self.cache.num_blocks, block_size)
+        self.cache = CacheEngine(self.model_config, cache_config, self.backend.ops, self.backend.dtype)
+        self.block_manager = BlockManager(self.cache.num_blocks, block_size, self.cache.num_cpu_blocks,
+                                          watermark=cache_config.watermark)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.runner = ModelRunner(self.model)
         self.sampler = Sampler()
         eos = set(self.tokenizer.stop_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.metrics = Metrics()
+        self.log_stats_interval = log_stats_interval   # seconds between log lines; 0 = never
+        self._last_log_time = time.monotonic()
         self.rng = np.random.default_rng(seed)        # seeds requests that bring no seed of their own
         self.groups: dict[str, SequenceGroup] = {}     # unfinished requests by id
         self.generators: dict[int, np.random.Generator] = {}  # seq_id -> its random stream
@@ -171,43 +183,78 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        # Swap-outs first: they free device blocks that this step's swap-ins may reuse.
+        if plan.blocks_to_swap_out:
+            self.cache.swap_out(plan.blocks_to_swap_out)
+        if plan.blocks_to_swap_in:
+            self.cache.swap_in(plan.blocks_to_swap_in)
         if plan.is_empty:
             return []
-        tables = [self.block_manager.block_table(s.seq) for s in plan.scheduled]
-        model_input = build_model_input(plan.scheduled, tables, self.block_manager.block_size)
-        logits = self.runner.execute(model_input, self.cache.kv_cache)   # (N, vocab)
         blocks_in_use = self.block_manager.num_used_blocks                 # before anything is freed
+        touched: dict[str, SequenceGroup] = {}
+        items = plan.scheduled
+        num_generated = self._run_model(items, touched)
+        for _ in range(plan.num_steps - 1):  # multi-step: more decodes on slots reserved ahead
+            items = [dataclasses.replace(i, num_new_tokens=1) for i in items if not i.seq.is_finished()]
+            if not items:
+                break
+            num_generated += self._run_model(items, touched)
+        now = time.monotonic()
+        for group in touched.values():
+            if group.is_finished():
+                group.finished_time = now
+                for seq in group.seqs:
+                    self.metrics.record_finished(group.first_token_time, now, seq.num_output_tokens)
+        outputs = [self.output_processor.make_output(g) for g in touched.values()]
+        for group in self.scheduler.free_finished():
+            self._forget(group)
+        num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
+        self.metrics.record_step(blocks_in_use, num_prompt, num_generated)
+        if self.log_stats_interval and now - self._last_log_time >= self.log_stats_interval:
+            self._last_log_time = now
+            logger.info(self.metrics.log_line(self.get_stats()))
+        return [o for o in outputs if o is not None]
+
+    def _run_model(self, items: list, touched: dict[str, SequenceGroup]) -> int:
+        """One forward pass over ``items``, then sample; returns how many tokens were sampled."""
+        tables = [self.block_manager.block_table(s.seq) for s in items]
+        model_input = build_model_input(items, tables, self.block_manager.block_size)
+        logits = self.runner.execute(model_input, self.cache.kv_cache)   # (N, vocab)
         requests = [SampleRequest(s.group.sampling_params, self.generators[s.seq.seq_id],
                                   self.output_processor.banned_tokens(s.group, s.seq))
                     for s in model_input.sampled]
         results = self.sampler(logits, requests)
         # Only now does the step change sequences: if anything above raised (or was
         # interrupted), the same sequences are simply scheduled again next step.
-        for item in plan.scheduled:
+        for item in items:
             item.seq.num_computed_tokens += item.num_new_tokens
         now = time.monotonic()
-        touched: dict[str, SequenceGroup] = {}
         for item, result in zip(model_input.sampled, results):
             self.output_processor.append(item.group, item.seq, result)
             if item.group.first_token_time is None:
                 item.group.first_token_time = now
                 self.metrics.ttfts.append(now - item.group.arrival_time)
             touched[item.group.request_id] = item.group
-        for group in touched.values():
-            if group.is_finished():
-                group.finished_time = now
-        outputs = [self.output_processor.make_output(g) for g in touched.values()]
-        for group in self.scheduler.free_finished():
-            self._forget(group)
-        num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
-        self.metrics.record_step(blocks_in_use, num_prompt, len(results))
-        return [o for o in outputs if o is not None]
+        return len(results)
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict:
+        bm, sched = self.block_manager, self.scheduler
         return self.metrics.snapshot(
-            num_running=self.scheduler.num_running_seqs(),
-            num_waiting=sum(len(g.unfinished_seqs()) for g in self.scheduler.waiting),
-            kv_blocks_used=self.block_manager.num_used_blocks,
-            kv_blocks_total=self.block_manager.num_blocks,
-            num_preemptions=self.scheduler.num_preemptions)
+            num_running=sched.num_running_seqs(),
+            num_waiting=sum(len(g.unfinished_seqs()) for g in sched.waiting),
+            num_swapped=sum(len(g.unfinished_seqs()) for g in sched.swapped),
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_total=bm.num_blocks,
+            kv_usage=bm.allocator.usage,
+            cpu_kv_blocks_used=bm.cpu_allocator.num_used,
+            cpu_kv_blocks_total=bm.cpu_allocator.num_blocks,
+            cpu_kv_usage=bm.cpu_allocator.usage,
+            num_preemptions=sched.num_preemptions,
+            num_preemptions_swap=sched.num_preemptions_swap,
+            num_preemptions_recompute=sched.num_preemptions_recompute,
+            blocks_swapped_out=sched.blocks_swapped_out,
+            blocks_swapped_in=sched.blocks_swapped_in,
+            bytes_swapped_out=sched.blocks_swapped_out * self.cache.bytes_per_block,
+            bytes_swapped_in=sched.blocks_swapped_in * self.cache.bytes_per_block,
+        )

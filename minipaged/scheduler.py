@@ -1,25 +1,40 @@
 """Scheduler: first-come-first-served continuous batching, the engine's process scheduler.
 
-Every step it builds one batch: first the running sequences (one decode token
-each), then, while blocks, ``max_num_seqs`` and the token budget allow, new
-requests from the waiting queue in arrival order. Finished sequences free their
-blocks at once, so a waiting request can join at the very next step.
+Three queues, all kept in arrival order: ``waiting`` (not admitted, or preempted
+by recomputation), ``running`` (holding device blocks) and ``swapped`` (their
+blocks paged out to the CPU pool). Every step builds one batch within two
+budgets, ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens:
 
-If a running sequence needs a new block and none is free, the most recently
-arrived running request is preempted by recomputation (its blocks are freed,
-it goes back to the front of the waiting queue with its generated tokens as part
-of its prompt), exactly as an OS kills the youngest process rather than letting
-everyone starve. Earlier requests then proceed, so the engine never deadlocks.
+1. running requests, earliest first, each get their next token; if one needs a
+   new block and none is free, the most recent arrival is preempted (swapped out
+   or dropped for recomputation) until the earlier ones fit, as an OS pages out
+   or kills its youngest process rather than let everyone starve;
+2. with chunked prefill, running requests still reading their prompt get the
+   next chunk from what is left of the token budget;
+3. swapped requests come back, earliest first, before anything new;
+4. new requests are admitted in arrival order while blocks and budgets allow;
+   the first that does not fit blocks the rest (strict FCFS).
+
+Nothing comes back or is admitted in a step that had to preempt: memory is
+tight, so the survivors run first.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import AllocStatus, BlockManager
 from .config import SchedulerConfig
 from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+# preemption_mode="auto": a request holding at most this many tokens is recomputed
+# rather than swapped. Recomputing 64 tokens is one small prefill that rides along
+# with the batch (about what a decode step of 64 sequences costs in matrix work),
+# while swapping holds CPU memory and copies every block out and back in.
+AUTO_RECOMPUTE_MAX_TOKENS = 64
 
 
 @dataclass
@@ -28,9 +43,8 @@ class ScheduledSeq:
 
     group: SequenceGroup
     seq: Sequence
-    num_new_tokens: int   # the query length: a whole prompt, or 1 for a decode
-    do_sample: bool       # these tokens end the known context: sample the next one
-                          # (always true until chunked prefill splits a prompt over steps)
+    num_new_tokens: int   # the query length: a prompt (or a chunk of it), or 1 for a decode
+    do_sample: bool       # these tokens reach the end of the known context: sample the next one
     is_prefill: bool      # prompt (or recomputed) tokens rather than one decode token
 
 
@@ -38,6 +52,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu, device)
+    num_steps: int = 1    # > 1: a decode-only batch run for several steps (slots reserved ahead)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -52,25 +69,33 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[SequenceGroup] = deque()  # arrival order (preempted ones at the front)
-        self.running: list[SequenceGroup] = []         # arrival order
-        self.num_preemptions = 0
+        self.waiting: list[SequenceGroup] = []   # arrival order (preempted ones go back in place)
+        self.running: list[SequenceGroup] = []   # arrival order
+        self.swapped: list[SequenceGroup] = []   # arrival order
+        self._arrivals = itertools.count()
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.num_preemptions_swap = 0
+        self.num_preemptions_recompute = 0
+        self.blocks_swapped_out = 0
+        self.blocks_swapped_in = 0
 
     # ------------------------------------------------------------------ queues
     def add_seq_group(self, group: SequenceGroup) -> None:
+        group.arrival_index = next(self._arrivals)
         self.waiting.append(group)
 
     def has_unfinished_seqs(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def abort_seq_group(self, request_id: str) -> SequenceGroup | None:
-        """Cancel a request wherever it is; its blocks are free when this returns."""
-        for queue in (self.waiting, self.running):
+        """Cancel a request wherever it is; its device and CPU blocks are free when this returns."""
+        for queue in (self.waiting, self.running, self.swapped):
             for group in queue:
                 if group.request_id == request_id:
                     queue.remove(group)
-                    for seq in group.unfinished_seqs():
-                        seq.status = SequenceStatus.FINISHED_ABORTED
+                    group.set_status(SequenceStatus.FINISHED_ABORTED)
                     for seq in group.seqs:
                         self.block_manager.free(seq)
                     return group
@@ -79,67 +104,147 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(len(g.unfinished_seqs()) for g in self.running)
 
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_swap + self.num_preemptions_recompute
+
+    @staticmethod
+    def _insert(queue: list[SequenceGroup], group: SequenceGroup) -> None:
+        """Put a preempted group back at its arrival position (FCFS survives preemption)."""
+        bisect.insort(queue, group, key=lambda g: g.arrival_index)
+
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
 
-        # 1. Running requests compute their next token (their whole prompt, if a step
-        #    was interrupted before it finished), earliest arrival first.
-        queue = deque(self.running)
-        still_running: list[SequenceGroup] = []
+        # 1. Running requests that decode get one slot each, earliest arrival first.
+        queue = deque(g for g in self.running if not g.is_prefilling())
+        prefilling = [g for g in self.running if g.is_prefilling()]
+        decoding: list[SequenceGroup] = []
         while queue:
             group = queue.popleft()
             while not self.block_manager.can_append_slots(group):
                 # Out of blocks: evict the latest arrival (possibly this group itself).
-                victim = queue.pop() if queue else group
+                victim = max([group, *queue, *prefilling], key=lambda g: g.arrival_index)
+                if victim in queue:
+                    queue.remove(victim)
+                elif victim in prefilling:
+                    prefilling.remove(victim)
                 self._preempt(victim, out)
                 if victim is group:
                     break
             else:
-                still_running.append(group)
-                num_tokens = sum(s.num_uncomputed_tokens for s in group.unfinished_seqs())
-                if num_tokens > budget:
-                    continue  # keeps its blocks; runs next step
+                decoding.append(group)
                 for seq in group.unfinished_seqs():
                     self.block_manager.append_slots(seq)
-                    out.scheduled.append(ScheduledSeq(
-                        group, seq, seq.num_uncomputed_tokens, do_sample=True,
-                        is_prefill=seq.num_computed_tokens < seq.num_prompt_tokens))
-                budget -= num_tokens
-        self.running = still_running
+                    out.scheduled.append(ScheduledSeq(group, seq, 1, do_sample=True, is_prefill=False))
+                    budget -= 1
 
-        # 2. Admit waiting requests in arrival order; the first that does not fit
-        #    blocks the rest (strict FCFS). Nothing is admitted in a step that
-        #    had to preempt: memory is tight, let the survivors run first.
-        while self.waiting and not out.preempted:
-            group = self.waiting[0]
-            num_tokens = sum(s.num_uncomputed_tokens for s in group.unfinished_seqs())
-            num_seqs = len(group.unfinished_seqs())
-            if num_tokens > budget:
+        # 2. Running requests still reading their prompt get their next chunk.
+        for group in prefilling:
+            budget -= self._schedule_prefill(group, budget, chunked, out)
+        self.running = sorted(decoding + prefilling, key=lambda g: g.arrival_index)
+
+        # 3. Swapped requests come back, earliest first, before anything new.
+        while self.swapped and not out.preempted:
+            group = self.swapped[0]
+            if (not self.block_manager.can_swap_in(group)
+                    or self.num_running_seqs() + len(group.unfinished_seqs()) > self.config.max_num_seqs
+                    or self._prefill_tokens(group, budget, chunked) == 0):
                 break
-            if self.num_running_seqs() + num_seqs > self.config.max_num_seqs:
+            self.running.append(self.swapped.pop(0))
+            mapping = self.block_manager.swap_in(group)
+            out.blocks_to_swap_in.extend(mapping)
+            self.blocks_swapped_in += len(mapping)
+            group.set_status(SequenceStatus.RUNNING)
+            for seq in group.unfinished_seqs():
+                self.block_manager.append_slots(seq)
+            budget -= self._schedule_prefill(group, budget, chunked, out)
+
+        # 4. New (or recomputing) requests in arrival order; the first that does not fit blocks the rest.
+        while self.waiting and not self.swapped and not out.preempted:
+            group = self.waiting[0]
+            if self._prefill_tokens(group, budget, chunked) == 0:
+                break
+            if self.num_running_seqs() + len(group.unfinished_seqs()) > self.config.max_num_seqs:
                 break
             if self.block_manager.can_allocate(group) != AllocStatus.OK:
                 break  # LATER; NEVER is refused before a request is queued
             # in a queue at every moment, so an interrupt here can never orphan blocks
-            self.running.append(self.waiting.popleft())
+            self.running.append(self.waiting.pop(0))
             self.block_manager.allocate(group)
-            for seq in group.unfinished_seqs():
-                seq.status = SequenceStatus.RUNNING
-                out.scheduled.append(ScheduledSeq(group, seq, seq.num_uncomputed_tokens,
-                                                  do_sample=True, is_prefill=True))
-            budget -= num_tokens
+            group.set_status(SequenceStatus.RUNNING)
+            budget -= self._schedule_prefill(group, budget, chunked, out)
+
+        self._reserve_lookahead(out)
         return out
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """Recompute-preemption: free the group's blocks; it will prefill again later."""
+    def _prefill_tokens(self, group: SequenceGroup, budget: int, chunked: bool) -> int:
+        """Tokens the group computes this step: all it lacks, or (chunked) what the budget allows."""
+        wanted = group.num_uncomputed_tokens()
+        if chunked:
+            return min(wanted, budget)
+        return wanted if wanted <= budget else 0
+
+    def _schedule_prefill(self, group: SequenceGroup, budget: int, chunked: bool,
+                          out: SchedulerOutput) -> int:
+        """Schedule the group's next tokens (a prompt chunk, or a decode); returns tokens used."""
+        num_tokens = self._prefill_tokens(group, budget, chunked)
+        used = 0
         for seq in group.unfinished_seqs():
-            self.block_manager.free(seq)
-            seq.reset_for_recompute()
-        self.waiting.appendleft(group)  # victims are taken latest-first, so FCFS order is kept
+            n = min(seq.num_uncomputed_tokens, num_tokens - used)
+            if n <= 0:
+                break
+            out.scheduled.append(ScheduledSeq(
+                group, seq, n, do_sample=seq.num_computed_tokens + n == seq.num_tokens,
+                is_prefill=seq.num_computed_tokens < seq.num_prompt_tokens or n > 1))
+            used += n
+        return used
+
+    def _reserve_lookahead(self, out: SchedulerOutput) -> None:
+        """Multi-step: a batch of pure decodes runs ``num_scheduler_steps`` steps if slots allow."""
+        steps = self.config.num_scheduler_steps
+        if steps == 1 or not out.scheduled or any(s.is_prefill for s in out.scheduled):
+            return
+        lookahead = {}
+        for item in out.scheduled:
+            params = item.group.sampling_params
+            # tokens this sequence may still produce after this one
+            room = min(params.max_tokens - item.seq.num_output_tokens,
+                       self.config.max_model_len - item.seq.num_tokens) - 1
+            lookahead[item.seq.seq_id] = max(min(steps - 1, room), 0)
+        needed = sum(self.block_manager.num_new_blocks([item.seq], lookahead[item.seq.seq_id])
+                     for item in out.scheduled)
+        if needed > self.block_manager.num_free_blocks:
+            return  # not enough room to run ahead: one step this time
+        for item in out.scheduled:
+            self.block_manager.append_slots(item.seq, lookahead[item.seq.seq_id])
+        out.num_steps = steps
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Take the group's device blocks back, by swapping or by recomputation."""
+        mode = self.config.preemption_mode
+        tokens = sum(s.num_tokens for s in group.unfinished_seqs())
+        if mode == "auto" and tokens <= AUTO_RECOMPUTE_MAX_TOKENS:
+            mode = "recompute"
+        if mode != "recompute" and not self.block_manager.can_swap_out(group):
+            mode = "recompute"  # the CPU pool cannot hold it: recomputation always works
+        if mode == "recompute":
+            for seq in group.unfinished_seqs():
+                self.block_manager.free(seq)
+                seq.reset_for_recompute()
+            self._insert(self.waiting, group)
+            self.num_preemptions_recompute += 1
+        else:
+            mapping = self.block_manager.swap_out(group)
+            out.blocks_to_swap_out.extend(mapping)
+            self.blocks_swapped_out += len(mapping)
+            group.set_status(SequenceStatus.SWAPPED)
+            self._insert(self.swapped, group)
+            self.num_preemptions_swap += 1
         out.preempted.append(group)
-        self.num_preemptions += 1
 
     def free_finished(self) -> list[SequenceGroup]:
         """Release the blocks of finished sequences; drop finished groups from running."""
@@ -153,3 +258,4 @@ class Scheduler:
         if finished:
             self.running = [g for g in self.running if not g.is_finished()]
         return finished
+

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # only for type hints; keeps this module free of numpy/model 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"          # not yet admitted (or preempted by recomputation)
     RUNNING = "running"          # holds device blocks, scheduled every step
+    SWAPPED = "swapped"          # preempted by swapping: its blocks wait in the CPU pool
     FINISHED_STOPPED = "stop"    # EOS, a stop token or a stop string
     FINISHED_LENGTH = "length"   # max_tokens or max_model_len reached
     FINISHED_ABORTED = "abort"   # cancelled by the user
@@ -90,6 +91,7 @@ class SequenceGroup:
     sampling_params: "SamplingParams"
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    arrival_index: int = -1      # FCFS order, set by the scheduler when the request is added
     first_token_time: float | None = None
     finished_time: float | None = None
 
@@ -102,3 +104,15 @@ class SequenceGroup:
 
     def is_finished(self) -> bool:
         return all(s.is_finished() for s in self.seqs)
+
+    def set_status(self, status: SequenceStatus) -> None:
+        for seq in self.unfinished_seqs():
+            seq.status = status
+
+    def num_uncomputed_tokens(self) -> int:
+        return sum(s.num_uncomputed_tokens for s in self.unfinished_seqs())
+
+    def is_prefilling(self) -> bool:
+        """Its prompt (or, after recomputation, prompt + output) is not all in the cache yet."""
+        return any(s.num_uncomputed_tokens > 1 or s.num_computed_tokens == 0
+                   for s in self.unfinished_seqs())
