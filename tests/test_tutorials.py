@@ -30,7 +30,7 @@ def test_01_page_tables():
     assert "request A: 7 tokens -> logical blocks 0..1 live in physical blocks [0, 1], fills [4, 3]" in out
     assert "'brought'  new block needed: True" in out
     assert "-> physical block 5 -> slot 20" in out
-    assert "caught: block" in out
+    assert "caught: device block" in out
     assert "used 0, free 8 of 8" in out
 
 

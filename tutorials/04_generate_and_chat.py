@@ -111,7 +111,7 @@ stats = llm.get_stats()
 for key in ("num_steps", "prompt_tokens", "generation_tokens", "kv_blocks_peak", "kv_blocks_total",
             "kv_blocks_used", "num_running", "num_waiting", "num_preemptions"):
     print(f"  {key:18} {stats[key]}")
-print(f"  {'mean_ttft':18} {stats['mean_ttft']:.3f} s")
+print(f"  {'ttft_mean':18} {stats['ttft_mean']:.3f} s")
 assert stats["generation_tokens"] == generated                # every sampled token is counted
 assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
 print("\nDone: the same calls as vLLM's offline API, on a paged KV cache you can read.")
