@@ -45,6 +45,7 @@ def test_02_paged_attention():
 def test_03_continuous_batching():
     out = run_tutorial("03_continuous_batching.py")
     assert "steps mixing a prefill with decodes: [" in out
+    assert "preemption_mode='recompute'" in out
     assert "PREEMPTED" in out and "re-prefilled" in out
     assert "identical: False" not in out and out.count("identical: True") == 4
 
@@ -56,3 +57,15 @@ def test_04_generate_and_chat():
     assert "finish_reason=stop, stop_reason=" in out
     assert "<|im_start|>assistant" in out                 # the chat template was applied
     assert "joined == the non-streamed greedy text: True" in out
+
+
+@pytest.mark.slow
+def test_05_swapping_and_chunked_prefill():
+    out = run_tutorial("05_swapping_and_chunked_prefill.py")
+    assert "  out [(" in out and "  in [(" in out        # the swap plans were shown
+    assert "before swap-out: True" in out and "before swap-out: False" not in out
+    assert "-> recompute" in out and "-> swap" in out   # auto used both, by the rule
+    assert out.count("same in all three as the big pool: True") == 3
+    assert "its first token came at step" in out
+    assert "tokens without chunking, 16 with" in out
+    assert "outputs with and without chunking identical: True" in out

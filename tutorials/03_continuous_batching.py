@@ -9,7 +9,11 @@ and check that preemption by recomputation changes no output token.
 The OS analogy: the scheduler is the process scheduler and the block manager
 the memory manager. A running process asks for one more page per step; when
 memory runs out, the youngest process is killed and restarted later from its
-saved state (its tokens), which the engine recomputes instead of swapping.
+saved state (its tokens): the engine drops its KV blocks and recomputes them.
+Here preemption_mode="recompute" asks for exactly that. The engine can also
+swap the blocks out to CPU memory and back, as an OS pages a process out; its
+default, "auto", swaps long requests and recomputes short ones. Tutorial 5
+shows both.
 
 Run it:  python tutorials/03_continuous_batching.py
 (MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
@@ -102,14 +106,16 @@ assert all(len(big_tokens[rid]) == n for rid, (_, n) in REQUESTS.items())
 assert stats["num_steps"] < sum(n for _, n in REQUESTS.values())
 
 TINY_BLOCK = 4
-print(f"\n3. A tiny pool: block_size {TINY_BLOCK}, just enough blocks for the first three prompts")
+print(f"\n3. A tiny pool: block_size {TINY_BLOCK}, just enough blocks for the first three prompts, "
+      "preemption_mode='recompute'")
 # The pool is full right after the first prefills. Each request then writes at
 # least 4 more positions (max_tokens >= 5; the last sampled token is never
 # written), and 4 consecutive positions always start a new block of 4, so
 # someone asks for a block before anyone has finished and freed one.
 assert min(n for _, n in REQUESTS.values()) >= TINY_BLOCK + 1
 tiny_blocks = sum(blocks_for(prompt_len[rid], TINY_BLOCK) for rid in REQUESTS if rid != LATE)
-tiny = LLMEngine(MODEL, device="cpu", block_size=TINY_BLOCK, num_blocks=tiny_blocks)
+tiny = LLMEngine(MODEL, device="cpu", block_size=TINY_BLOCK, num_blocks=tiny_blocks,
+                 preemption_mode="recompute")  # drop a victim's blocks, never swap them
 print(f"  {tiny_blocks} blocks = {tiny_blocks * TINY_BLOCK} token slots; the longest request alone needs "
       f"{max(prompt_len[rid] + n - 1 for rid, (_, n) in REQUESTS.items())}, all four together "
       f"{sum(prompt_len[rid] + n - 1 for rid, (_, n) in REQUESTS.items())}")
@@ -117,7 +123,8 @@ small_tokens, tiny_plans = run(tiny)
 tiny_stats = tiny.get_stats()
 print(f"  {tiny_stats['num_steps']} steps, {tiny_stats['num_preemptions']} preemptions, "
       f"peak {tiny_stats['kv_blocks_peak']}/{tiny_blocks} blocks")
-assert tiny_stats["num_preemptions"] > 0 and tiny_stats["kv_blocks_used"] == 0
+assert tiny_stats["num_preemptions_recompute"] == tiny_stats["num_preemptions"] > 0
+assert tiny_stats["blocks_swapped_out"] == 0 and tiny_stats["kv_blocks_used"] == 0
 # Admission is strict first-come-first-served: a request that does not fit blocks those behind it.
 first_run = {}
 for i, p in enumerate(tiny_plans, start=1):
