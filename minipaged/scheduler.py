@@ -110,7 +110,7 @@ class Scheduler:
 
     @staticmethod
     def _insert(queue: list[SequenceGroup], group: SequenceGroup) -> None:
-        """Put a preempted group back at its arrival position (FCFS survives preemption)."""
+        """Put a group in a queue at its arrival position (FCFS survives preemption)."""
         bisect.insort(queue, group, key=lambda g: g.arrival_index)
 
     # ------------------------------------------------------------------ one step
@@ -154,7 +154,7 @@ class Scheduler:
                     or self.num_running_seqs() + len(group.unfinished_seqs()) > self.config.max_num_seqs
                     or self._prefill_tokens(group, budget, chunked) == 0):
                 break
-            self.running.append(self.swapped.pop(0))
+            self._insert(self.running, self.swapped.pop(0))
             mapping = self.block_manager.swap_in(group)
             out.blocks_to_swap_in.extend(mapping)
             self.blocks_swapped_in += len(mapping)
@@ -173,7 +173,7 @@ class Scheduler:
             if self.block_manager.can_allocate(group) != AllocStatus.OK:
                 break  # LATER; NEVER is refused before a request is queued
             # in a queue at every moment, so an interrupt here can never orphan blocks
-            self.running.append(self.waiting.pop(0))
+            self._insert(self.running, self.waiting.pop(0))
             self.block_manager.allocate(group)
             group.set_status(SequenceStatus.RUNNING)
             budget -= self._schedule_prefill(group, budget, chunked, out)
