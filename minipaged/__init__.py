@@ -34,11 +34,12 @@ if not _logger.handlers:
     _logger.setLevel(os.environ.get("MINIPAGED_LOG_LEVEL", "INFO").upper())
     _logger.propagate = False
 
+from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .engine import LLMEngine, RequestError
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import OutputKind, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "OutputKind", "RequestOutput",
-           "CompletionOutput", "RequestError"]
+           "CompletionOutput", "RequestError", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"

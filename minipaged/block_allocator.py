@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from .prefix_cache import PrefixCache
+
 
 class NoFreeBlocksError(RuntimeError):
     """The pool is exhausted: the caller should have checked ``num_free`` first."""
@@ -18,23 +20,25 @@ class NoFreeBlocksError(RuntimeError):
 class BlockAllocator:
     """Free queue + ref counts over the block ids ``0 .. num_blocks-1``."""
 
-    def __init__(self, num_blocks: int, name: str = "device") -> None:
+    def __init__(self, num_blocks: int, name: str = "device", cache: PrefixCache | None = None) -> None:
         if num_blocks < 0:
             raise ValueError(f"a {name} pool cannot have {num_blocks} blocks")
         self.name = name
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks            # (num_blocks,) holders of each block
-        # FIFO: a freed block goes to the back, so recently freed blocks are
-        # reused last (prefix caching will want to find them still intact).
+        # FIFO: a freed block goes to the back, so recently freed blocks are reused last.
         self.free_queue: deque[int] = deque(range(num_blocks))
+        # With prefix caching, freed blocks that hold a named full block wait in the
+        # cache's LRU queue instead, still free, until a hit revives them or need evicts them.
+        self.cache = cache
 
     @property
     def num_free(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + (len(self.cache.evictable) if self.cache else 0)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_blocks - self.num_free
 
     @property
     def usage(self) -> float:
@@ -42,12 +46,21 @@ class BlockAllocator:
         return self.num_used / self.num_blocks if self.num_blocks else 0.0
 
     def allocate(self) -> int:
-        """Take a free block; its ref count becomes 1."""
-        if not self.free_queue:
+        """Take a free block (a plain one first, else evict the oldest cached one); ref count 1."""
+        if self.free_queue:
+            block_id = self.free_queue.popleft()
+        elif self.cache and self.cache.evictable:
+            block_id = self.cache.evict()
+        else:
             raise NoFreeBlocksError(f"the {self.name} KV pool has no free block")
-        block_id = self.free_queue.popleft()
         self.ref_counts[block_id] = 1
         return block_id
+
+    def revive(self, block_id: int) -> None:
+        """A prefix-cache hit on a freed, parked block: it is held again."""
+        assert self.ref_counts[block_id] == 0
+        self.cache.revive(block_id)
+        self.ref_counts[block_id] = 1
 
     def incref(self, block_id: int) -> None:
         """Another holder shares an allocated block (fork, prefix hit)."""
@@ -58,13 +71,18 @@ class BlockAllocator:
         """One holder lets go; the block returns to the free queue when none is left."""
         assert self.ref_counts[block_id] > 0, f"double free of {self.name} block {block_id}"
         self.ref_counts[block_id] -= 1
-        if self.ref_counts[block_id] == 0:
+        if self.ref_counts[block_id] == 0 and not (self.cache and self.cache.park(block_id)):
             self.free_queue.append(block_id)
 
     def check_invariants(self) -> None:
-        """Every block is free (ref 0, in the queue once) or used (ref > 0, not in the queue)."""
+        """Every block is free (ref 0, in exactly one free list once) or used (ref > 0, in none)."""
         queued = set(self.free_queue)
         assert len(queued) == len(self.free_queue), f"a {self.name} block is queued twice"
+        if self.cache:
+            parked = set(self.cache.evictable)
+            assert not parked & queued, f"a {self.name} block is both free and parked in the cache"
+            assert parked <= set(self.cache.name_of), "a parked block has no name"
+            queued |= parked
         for block_id, refs in enumerate(self.ref_counts):
             assert refs >= 0, f"negative ref count on block {block_id}"
             assert (refs == 0) == (block_id in queued), (

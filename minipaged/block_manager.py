@@ -16,6 +16,7 @@ import enum
 
 from .block_allocator import BlockAllocator
 from .block_table import BlockTable
+from .prefix_cache import PrefixCache, chain_hash, prompt_block_hashes
 from .sequence import Sequence, SequenceGroup
 
 
@@ -31,9 +32,10 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 watermark: float = 0.01) -> None:
+                 watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks, name="device")
+        self.cache = PrefixCache() if enable_prefix_caching else None
+        self.allocator = BlockAllocator(num_blocks, name="device", cache=self.cache)
         self.cpu_allocator = BlockAllocator(num_cpu_blocks, name="cpu")  # the swap pool
         # Keep a few blocks free when admitting new prompts, so running
         # sequences can still grow right after an admission (no thrashing).
@@ -54,6 +56,12 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.allocator.num_used
 
+    @property
+    def num_mapped_blocks(self) -> int:
+        """Device blocks all page tables map, shared ones counted per holder: what the
+        same sequences would occupy if nothing were shared."""
+        return sum(len(t.block_ids) for sid, t in self.tables.items() if sid not in self.on_cpu)
+
     def block_table(self, seq: Sequence) -> list[int]:
         return self.tables[seq.seq_id].block_ids
 
@@ -69,39 +77,143 @@ class BlockManager:
         return list(seen)
 
     def num_new_blocks(self, seqs: list[Sequence], num_lookahead: int = 0) -> int:
-        """Blocks these sequences need to slot their newest token and ``num_lookahead`` more."""
+        """Blocks these sequences need to slot their newest token and ``num_lookahead`` more
+        (a copy-on-write copy counts as one)."""
         needed = 0
         for seq in seqs:
             table = self.tables[seq.seq_id]
             needed += max(blocks_for(seq.num_tokens + num_lookahead, self.block_size) - len(table), 0)
+            needed += self._shared_write_block(seq) is not None
         return needed
+
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """Index in the table of a shared block this sequence's next write lands in, if any."""
+        table = self.tables[seq.seq_id]
+        pool = self.cpu_allocator if seq.seq_id in self.on_cpu else self.allocator  # sharing survives swaps
+        index = seq.num_computed_tokens // self.block_size   # the first position written now
+        if index < len(table) and pool.ref_counts[table.block_ids[index]] > 1:
+            return index
+        return None
 
     # ------------------------------------------------------------------ admission
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         """Could every sequence of ``group`` get slots for all its tokens?"""
-        needed = sum(blocks_for(s.num_tokens, self.block_size) for s in group.unfinished_seqs())
+        seqs = group.unfinished_seqs()
+        if group.in_prompt_phase():
+            seqs = seqs[:1]   # the samples will share one copy of the prompt
+        # cached blocks already held by someone cost nothing more
+        needed = sum(blocks_for(s.num_tokens, self.block_size) - self._cached_in_use(s) for s in seqs)
         if needed > self.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         if self.num_free_blocks - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
+    def _cache_hits(self, seq: Sequence) -> list[tuple[int, int]]:
+        """(block, name) of each block of the longest cached prefix of the sequence's tokens.
+
+        Only blocks that end before its last token count: that token is always
+        computed again, so the step has logits to sample from.
+        """
+        if self.cache is None:
+            return []
+        size = self.block_size
+        tokens = seq.token_ids
+        hits = []
+        for i, name in enumerate(prompt_block_hashes(tokens, size, (len(tokens) - 1) // size)):
+            block = self.cache.lookup(name, tuple(tokens[i * size:(i + 1) * size]))
+            if block is None:
+                break
+            hits.append((block, name))
+        return hits
+
+    def _cached_in_use(self, seq: Sequence) -> int:
+        return sum(1 for b, _ in self._cache_hits(seq) if self.allocator.ref_counts[b] > 0)
+
     def allocate(self, group: SequenceGroup) -> None:
-        """Give each sequence of a newly admitted group a page table covering its tokens."""
-        for seq in group.unfinished_seqs():
+        """Give each sequence of a newly admitted group a page table covering its tokens.
+
+        The samples of a fresh group share one copy of the prompt: the first gets the
+        blocks, the others fork its table (fork() of a process: same frames, ref count up).
+        With prefix caching the table starts with every block of the longest cached
+        prefix (shared, like a library page already in memory), and those tokens count
+        as computed.
+        """
+        seqs = group.unfinished_seqs()
+        share = group.in_prompt_phase()
+        for seq in seqs[:1] if share else seqs:
             assert seq.seq_id not in self.tables, f"sequence {seq.seq_id} is already allocated"
-            self.tables[seq.seq_id] = BlockTable(self.block_size)
+            table = self.tables[seq.seq_id] = BlockTable(self.block_size)
+            hits = self._cache_hits(seq)
+            for block, name in hits:
+                if self.allocator.ref_counts[block] == 0:
+                    self.allocator.revive(block)
+                else:
+                    self.allocator.incref(block)
+                table.append_block(block)
+                table.fills[-1] = self.block_size
+                table.names.append(name)
+            if self.cache is not None:
+                self.cache.queries += seq.num_tokens
+                self.cache.hits += len(hits) * self.block_size
+                seq.num_computed_tokens = len(hits) * self.block_size
             self._grow(seq, seq.num_tokens)
+        if share:
+            for seq in seqs[1:]:
+                self.fork(seqs[0], seq)
+                seq.num_computed_tokens = seqs[0].num_computed_tokens
+
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Name the blocks the sequence's first ``num_tokens`` tokens fill, so others can hit them.
+
+        Called when a step is scheduled with the tokens it will have computed: a request
+        admitted later in the same step may then share them, as its attention reads
+        them after this step's KV writes (every layer writes before it attends).
+        """
+        if self.cache is None or seq.seq_id in self.on_cpu:
+            return
+        table = self.tables[seq.seq_id]
+        full = min(num_tokens // self.block_size, len(table))
+        if len(table.names) >= full:
+            return
+        tokens = seq.token_ids
+        while len(table.names) < full:
+            i = len(table.names)
+            block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            name = chain_hash(table.names[-1] if table.names else None, block_tokens)
+            table.names.append(name)
+            self.cache.register(table.block_ids[i], name, block_tokens)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child's table points at the parent's blocks; each gains a holder."""
+        assert child.seq_id not in self.tables, f"sequence {child.seq_id} is already allocated"
+        self.tables[child.seq_id] = self.tables[parent.seq_id].copy()
+        for block in self.tables[child.seq_id].block_ids:
+            self.allocator.incref(block)
 
     # ------------------------------------------------------------------ growth
     def can_append_slots(self, group: SequenceGroup, num_lookahead: int = 0) -> bool:
         """Is there a free block for every running sequence that needs one this step?"""
         return self.num_new_blocks(group.unfinished_seqs(), num_lookahead) <= self.num_free_blocks
 
-    def append_slots(self, seq: Sequence, num_lookahead: int = 0) -> None:
+    def append_slots(self, seq: Sequence, num_lookahead: int = 0) -> list[tuple[int, int]]:
         """Map the slots this step writes: the newest token, plus ``num_lookahead`` more
-        for a multi-step decode (a new block whenever the last one is full)."""
+        for a multi-step decode (a new block whenever the last one is full).
+
+        Copy-on-write: if the write lands in a block other sequences still hold (a forked
+        sample's partly filled prompt block), this sequence gets a private copy first.
+        Returns the copy plan [(shared block, new block)] for the cache engine.
+        """
+        copies = []
+        index = self._shared_write_block(seq)
+        if index is not None:
+            table = self.tables[seq.seq_id]
+            shared = table.block_ids[index]
+            table.block_ids[index] = self.allocator.allocate()
+            self.allocator.free(shared)            # one holder fewer; the others keep it
+            copies.append((shared, table.block_ids[index]))
         self._grow(seq, seq.num_tokens + num_lookahead)
+        return copies
 
     def _grow(self, seq: Sequence, num_slots: int) -> None:
         table = self.tables[seq.seq_id]
@@ -177,9 +289,19 @@ class BlockManager:
                     f"{pool.name} block {block_id}: {count} tables hold it but its ref count is "
                     f"{pool.ref_counts[block_id]}")
         assert self.on_cpu <= set(self.tables), "a swapped-out sequence has no table"
+        if self.cache is not None:
+            assert set(self.cache.block_of.values()) == set(self.cache.name_of)
+            assert all(self.cache.block_of[n] == b for b, n in self.cache.name_of.items())
         for seq in seqs or []:
             table = self.tables.get(seq.seq_id)
-            if table is not None:
-                assert table.num_tokens >= seq.num_computed_tokens, (
-                    f"sequence {seq.seq_id} has {seq.num_computed_tokens} cached tokens but "
-                    f"only {table.num_tokens} slots")
+            if table is None:
+                continue
+            assert table.num_tokens >= seq.num_computed_tokens, (
+                f"sequence {seq.seq_id} has {seq.num_computed_tokens} cached tokens but "
+                f"only {table.num_tokens} slots")
+            if self.cache is not None and seq.seq_id not in self.on_cpu:
+                size, tokens = self.block_size, seq.token_ids
+                for i, block in enumerate(table.block_ids):   # a named block holds exactly its tokens
+                    if block in self.cache.name_of and (i + 1) * size <= seq.num_computed_tokens:
+                        assert self.cache.tokens_of[block] == tuple(tokens[i * size:(i + 1) * size]), (
+                            f"block {block} is cached under other tokens than sequence {seq.seq_id} holds")

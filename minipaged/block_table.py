@@ -14,6 +14,7 @@ class BlockTable:
         self.block_size = block_size
         self.block_ids: list[int] = []  # (num_logical_blocks,) physical block of each logical block
         self.fills: list[int] = []      # (num_logical_blocks,) slots in use in each block
+        self.names: list[int] = []      # prefix caching: chain hashes of the leading full, computed blocks
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +38,14 @@ class BlockTable:
         """Claim the next slot of the last block (the caller ensured there is one)."""
         assert self.fills and self.fills[-1] < self.block_size, "no free slot in the last block"
         self.fills[-1] += 1
+
+    def copy(self) -> "BlockTable":
+        """A second table mapping the same physical blocks (the caller counts the new holders)."""
+        twin = BlockTable(self.block_size)
+        twin.block_ids = list(self.block_ids)
+        twin.fills = list(self.fills)
+        twin.names = list(self.names)
+        return twin
 
     def slot(self, position: int) -> int:
         """Physical slot of a token position: frame * page_size + offset."""

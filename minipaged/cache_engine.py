@@ -62,3 +62,7 @@ class CacheEngine:
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy (CPU block, device block) pairs back into the device pool."""
         self.ops.swap_blocks(self.cpu_cache, self.kv_cache, mapping)
+
+    def copy(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate (shared block, private block) pairs inside the device pool."""
+        self.ops.copy_blocks(self.kv_cache, mapping)

@@ -23,7 +23,8 @@ def format_stats(stats: dict) -> str:
             f"KV blocks {stats['kv_blocks_used']}/{stats['kv_blocks_total']} "
             f"(peak {stats['kv_blocks_peak']}, usage {stats['kv_usage']:.1%}), "
             f"preemptions {stats['num_preemptions']} (swap {stats['num_preemptions_swap']}, "
-            f"recompute {stats['num_preemptions_recompute']}), prompt tokens {stats['prompt_tokens']}, "
+            f"recompute {stats['num_preemptions_recompute']}), prompt tokens {stats['prompt_tokens']} "
+            f"(prefix cache hit rate {stats['prefix_cache_hit_rate']:.0%}), "
             f"generated tokens {stats['generation_tokens']}")
 
 

@@ -15,8 +15,12 @@ from .model.fetch import DEFAULT_MODEL, KNOWN_MODELS
 
 # --------------------------------------------------------------------------- flags
 
-def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0) -> None:
+def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0,
+                     prefix_caching: bool = False) -> None:
     g = p.add_argument_group("engine")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=prefix_caching,
+                   help="reuse the KV blocks of prompt prefixes seen before (default: "
+                        f"{'on' if prefix_caching else 'off'})")
     g.add_argument("--log-stats-interval", type=float, default=log_stats_interval, metavar="SECONDS",
                    help="print a stats line (throughput, queues, KV usage, preemptions) this often "
                         f"on stderr; 0 turns it off (default {log_stats_interval:g})")
@@ -60,7 +64,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 preemption_mode=args.preemption_mode,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 num_scheduler_steps=args.num_scheduler_steps, seed=args.seed,
-                log_stats_interval=args.log_stats_interval)
+                log_stats_interval=args.log_stats_interval,
+                enable_prefix_caching=args.enable_prefix_caching)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float,
@@ -91,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="talk to the model (streams; /reset, /stats, /exit)",
                           description="Interactive chat. Reads one message per line from a pipe too. "
                                       "Ctrl-C stops the current answer, Ctrl-D or /exit quits.")
-    add_engine_flags(chat, log_stats_interval=0.0)
+    # each turn resubmits the whole conversation: the cache makes it prefill only the new part
+    add_engine_flags(chat, log_stats_interval=0.0, prefix_caching=True)
     add_sampling_flags(chat, max_tokens=512, temperature=0.2, top_p=0.9)
     chat.add_argument("--system", default=None, help="a system prompt (else the template's default)")
 
@@ -101,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(gen)
     add_sampling_flags(gen, max_tokens=64, temperature=0.0, top_p=1.0)
     gen.add_argument("--json", action="store_true", help="print the outputs as JSON")
+    gen.add_argument("--n", type=int, default=1,
+                     help="samples per prompt (parallel sampling; they share the prompt's KV blocks)")
+    gen.add_argument("--beam-width", type=int, default=None,
+                     help="beam search with this many beams instead of sampling")
+    gen.add_argument("--length-penalty", type=float, default=1.0, help="beam search length penalty")
+
 
     fetch = sub.add_parser("fetch", help="download and convert a known model",
                            description="Fetch a known model into the cache (~/.cache/minipaged, or "
@@ -127,21 +139,37 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .beam_search import BeamSearchParams  # noqa: PLC0415
     from .llm import LLM  # noqa: PLC0415
 
     llm = LLM(**engine_kwargs(args))
-    params = sampling_params(args)
-    outputs = llm.generate(args.prompts, params, use_tqdm=False)
-    if args.json:
-        print(json.dumps([{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids,
-                           "text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
-                           "finish_reason": o.outputs[0].finish_reason,
-                           "cumulative_logprob": o.outputs[0].cumulative_logprob}
-                          for o in outputs], indent=2))
+    if args.beam_width is not None:
+        beams = llm.beam_search(args.prompts, BeamSearchParams(
+            beam_width=args.beam_width, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+            length_penalty=args.length_penalty), use_tqdm=False)
+        rows = [{"prompt": p, "outputs": [{"text": s.text, "token_ids": s.tokens,
+                                             "cumulative_logprob": s.cum_logprob,
+                                             "finish_reason": s.finish_reason} for s in b.sequences]}
+                for p, b in zip(args.prompts, beams)]
     else:
-        for o in outputs:
-            print(f"{o.prompt}{o.outputs[0].text}")
-            print(f"--- [{o.outputs[0].finish_reason}, {len(o.outputs[0].token_ids)} tokens]")
+        outputs = llm.generate(args.prompts, sampling_params(args, n=args.n), use_tqdm=False)
+        rows = [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids,
+                 "outputs": [{"text": o.prompt + c.text, "token_ids": c.token_ids,
+                              "cumulative_logprob": c.cumulative_logprob,
+                              "finish_reason": c.finish_reason} for c in o.outputs]}
+                for o in outputs]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for row in rows:
+            for i, c in enumerate(row["outputs"]):
+                label = f" #{i}" if len(row["outputs"]) > 1 else ""
+                print(c["text"])
+                print(f"---{label} [{c['finish_reason']}, logprob {c['cumulative_logprob']:.3f}]")
+    stats = llm.get_stats()
+    if stats["kv_blocks_unshared_peak"] > stats["kv_blocks_peak"]:
+        print(f"[minipaged] KV blocks at peak: {stats['kv_blocks_peak']} shared, "
+              f"{stats['kv_blocks_unshared_peak']} if every sequence had its own copy", file=sys.stderr)
     return 0
 
 

@@ -32,10 +32,11 @@ from .model.weights import load_checkpoint
 from .model_runner import ModelRunner, build_model_input
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
-from .sampler import Sampler, SampleRequest
-from .sampling_params import SamplingParams
+from .beam_search import BeamSearchParams, BeamState, Hypothesis, propose
+from .sampler import Sampler, SampleRequest, log_softmax
+from .sampling_params import OutputKind, SamplingParams, derive_seed
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceGroup
+from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 logger = logging.getLogger("minipaged")
@@ -60,6 +61,7 @@ class LLMEngine:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  swap_space: float = 4.0, preemption_mode: str = "auto",
                  enable_chunked_prefill: bool = False, num_scheduler_steps: int = 1,
+                 enable_prefix_caching: bool = False,
                  seed: int = 0, log_stats_interval: float = 0.0) -> None:
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype, seed=seed)
         cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
@@ -85,7 +87,8 @@ class LLMEngine:
                                 self.backend.dtype, max_positions=self.max_model_len)
         self.cache = CacheEngine(self.model_config, cache_config, self.backend.ops, self.backend.dtype)
         self.block_manager = BlockManager(self.cache.num_blocks, block_size, self.cache.num_cpu_blocks,
-                                          watermark=cache_config.watermark)
+                                          watermark=cache_config.watermark,
+                                          enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.runner = ModelRunner(self.model)
         self.sampler = Sampler()
@@ -125,8 +128,6 @@ class LLMEngine:
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.groups:
             raise RequestError(f"request id {request_id!r} is already in use")
-        if params.n != 1:
-            raise RequestError("n > 1 (parallel sampling) is not supported yet; use n=1")
         p = self.tokenize(prompt)
         ids = p.token_ids
         if not ids:
@@ -140,26 +141,46 @@ class LLMEngine:
                                f"{self.max_model_len}")
         # The most KV slots this request can ever hold at once: the last sampled
         # token is never written, so min(prompt + max_tokens, max_model_len) - 1.
+        # Counted without sharing: a preempted n-sample request is recomputed sample by sample.
         longest = max(len(ids), min(len(ids) + params.max_tokens, self.max_model_len) - 1)
-        needed = blocks_for(longest, self.block_manager.block_size)
+        needed = params.n * blocks_for(longest, self.block_manager.block_size)
         usable = self.block_manager.num_blocks - self.block_manager.watermark_blocks
         if needed > usable:
+            samples = f"{params.n} samples x " if params.n > 1 else ""
             raise RequestError(
-                f"the request may need {needed} KV blocks ({longest} cached tokens: prompt "
+                f"the request may need {needed} KV blocks ({samples}{longest} cached tokens: prompt "
                 f"{len(ids)} + max_tokens {params.max_tokens} - 1, as the last token is never "
                 f"cached) but the pool has only {usable} usable blocks; give the cache more "
                 "blocks or lower max_tokens")
-        seq = Sequence(next(self._seq_ids), ids)
-        start_offsets(seq)
-        return SequenceGroup(request_id, [seq], params, prompt=p.text)
+        seqs = [Sequence(next(self._seq_ids), list(ids)) for _ in range(params.n)]
+        for seq in seqs:
+            start_offsets(seq)
+        return SequenceGroup(request_id, seqs, params, prompt=p.text)
 
     def _queue(self, group: SequenceGroup) -> None:
         seed = group.sampling_params.seed
-        for seq in group.seqs:
-            self.generators[seq.seq_id] = np.random.default_rng(
-                seed if seed is not None else int(self.rng.integers(2**63)))
+        if seed is None:
+            seed = int(self.rng.integers(2**63))
+        for index, seq in enumerate(group.seqs):  # each sample its own stream (see derive_seed)
+            self.generators[seq.seq_id] = np.random.default_rng(derive_seed(seed, index))
         self.groups[group.request_id] = group
         self.scheduler.add_seq_group(group)
+
+    def _make_beam_group(self, request_id: str, prompt, params: BeamSearchParams) -> SequenceGroup:
+        """A beam search starts as one sequence; beams fork from it after the prompt."""
+        if not isinstance(params, BeamSearchParams):
+            raise RequestError(f"beam search needs BeamSearchParams, got {type(params).__name__}")
+        # The scheduler sees a greedy request of the same length; beams are chosen here.
+        inner = SamplingParams(n=params.beam_width, temperature=0.0, max_tokens=params.max_tokens,
+                               ignore_eos=True, detokenize=False, output_kind=OutputKind.FINAL_ONLY)
+        group = self._make_group(request_id, prompt, inner)
+        group.seqs = group.seqs[:1]
+        group.beam = BeamState(params, self.tokenizer.eos_token_id)
+        return group
+
+    def add_beam_request(self, request_id: str, prompt, params: BeamSearchParams) -> None:
+        """Queue a beam search; it reports once, when done, with beam_width ranked outputs."""
+        self._queue(self._make_beam_group(str(request_id), prompt, params))
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Queue a request (FCFS). Bad input raises RequestError and changes nothing."""
@@ -188,9 +209,12 @@ class LLMEngine:
             self.cache.swap_out(plan.blocks_to_swap_out)
         if plan.blocks_to_swap_in:
             self.cache.swap_in(plan.blocks_to_swap_in)
+        if plan.blocks_to_copy:
+            self.cache.copy(plan.blocks_to_copy)
         if plan.is_empty:
             return []
         blocks_in_use = self.block_manager.num_used_blocks                 # before anything is freed
+        blocks_mapped = self.block_manager.num_mapped_blocks
         touched: dict[str, SequenceGroup] = {}
         items = plan.scheduled
         num_generated = self._run_model(items, touched)
@@ -209,7 +233,7 @@ class LLMEngine:
         for group in self.scheduler.free_finished():
             self._forget(group)
         num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
-        self.metrics.record_step(blocks_in_use, num_prompt, num_generated)
+        self.metrics.record_step(blocks_in_use, blocks_mapped, num_prompt, num_generated)
         if self.log_stats_interval and now - self._last_log_time >= self.log_stats_interval:
             self._last_log_time = now
             logger.info(self.metrics.log_line(self.get_stats()))
@@ -220,31 +244,78 @@ class LLMEngine:
         tables = [self.block_manager.block_table(s.seq) for s in items]
         model_input = build_model_input(items, tables, self.block_manager.block_size)
         logits = self.runner.execute(model_input, self.cache.kv_cache)   # (N, vocab)
-        requests = [SampleRequest(s.group.sampling_params, self.generators[s.seq.seq_id],
-                                  self.output_processor.banned_tokens(s.group, s.seq))
-                    for s in model_input.sampled]
-        results = self.sampler(logits, requests)
+        rows = list(range(len(model_input.sampled)))
+        beam_rows = [r for r in rows if model_input.sampled[r][0].group.beam is not None]
+        sample_rows = [r for r in rows if model_input.sampled[r][0].group.beam is None]
+        requests = [SampleRequest(item.group.sampling_params, self.generators[seq.seq_id],
+                                  self.output_processor.banned_tokens(item.group, seq))
+                    for item, seq in (model_input.sampled[r] for r in sample_rows)]
+        results = self.sampler(logits[sample_rows], requests)
+        beam_logprobs = log_softmax(logits[beam_rows])                    # (beams, vocab)
         # Only now does the step change sequences: if anything above raised (or was
         # interrupted), the same sequences are simply scheduled again next step.
         for item in items:
             item.seq.num_computed_tokens += item.num_new_tokens
+            for follower in item.followers:   # they share the prompt's blocks: same progress
+                follower.num_computed_tokens = item.seq.num_computed_tokens
         now = time.monotonic()
-        for item, result in zip(model_input.sampled, results):
-            self.output_processor.append(item.group, item.seq, result)
-            if item.group.first_token_time is None:
-                item.group.first_token_time = now
-                self.metrics.ttfts.append(now - item.group.arrival_time)
+        for (item, seq), result in zip((model_input.sampled[r] for r in sample_rows), results):
+            self.output_processor.append(item.group, seq, result)
             touched[item.group.request_id] = item.group
-        return len(results)
+        beams: dict[str, list] = {}                                      # request -> [(seq, row)]
+        for i, r in enumerate(beam_rows):
+            item, seq = model_input.sampled[r]
+            beams.setdefault(item.group.request_id, []).append((seq, beam_logprobs[i]))
+            touched[item.group.request_id] = item.group
+        for request_id, pairs in beams.items():
+            self._advance_beams(self.groups[request_id], [p[0] for p in pairs], np.stack([p[1] for p in pairs]))
+        for group in touched.values():
+            if group.first_token_time is None:
+                group.first_token_time = now
+                self.metrics.ttfts.append(now - group.arrival_time)
+        return len(model_input.sampled)
+
+    def _advance_beams(self, group: SequenceGroup, beams: list[Sequence], logprobs: np.ndarray) -> None:
+        """Replace the group's beams by the best proposals: fork survivors, prune the rest."""
+        state = group.beam
+        running, ended = propose([b.cumulative_logprob for b in beams], logprobs, state)
+        for p in ended:
+            state.finished.append(Hypothesis(beams[p.parent].token_ids + [p.token], p.cum_logprob, True))
+        children: dict[int, list] = {}
+        for p in running:
+            children.setdefault(p.parent, []).append(p)
+        new_beams: dict[int, Sequence] = {}          # proposal rank -> its sequence
+        for index, parent in enumerate(beams):
+            proposals = children.get(index, [])
+            if not proposals:
+                self.block_manager.free(parent)      # pruned: what only it held is free at once
+                continue
+            for p in proposals[1:]:                  # extra survivors fork before the parent moves on
+                child = Sequence(next(self._seq_ids), list(parent.prompt_token_ids),
+                                 list(parent.output_token_ids), status=parent.status,
+                                 num_computed_tokens=parent.num_computed_tokens,
+                                 cumulative_logprob=parent.cumulative_logprob)
+                self.block_manager.fork(parent, child)
+                child.append_token(p.token, p.logprob)
+                new_beams[running.index(p)] = child
+            parent.append_token(proposals[0].token, proposals[0].logprob)
+            new_beams[running.index(proposals[0])] = parent
+        group.seqs = [new_beams[rank] for rank in sorted(new_beams)]   # best first
+        done = (group.seqs[0].num_output_tokens >= state.params.max_tokens
+                or group.seqs[0].num_tokens >= self.max_model_len)
+        if done:
+            for seq in group.seqs:
+                seq.status = SequenceStatus.FINISHED_LENGTH
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict:
         bm, sched = self.block_manager, self.scheduler
         return self.metrics.snapshot(
-            num_running=sched.num_running_seqs(),
+            num_running=sum(len(g.unfinished_seqs()) for g in sched.running),
             num_waiting=sum(len(g.unfinished_seqs()) for g in sched.waiting),
             num_swapped=sum(len(g.unfinished_seqs()) for g in sched.swapped),
             kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_unshared=bm.num_mapped_blocks,
             kv_blocks_total=bm.num_blocks,
             kv_usage=bm.allocator.usage,
             cpu_kv_blocks_used=bm.cpu_allocator.num_used,
@@ -257,4 +328,7 @@ class LLMEngine:
             blocks_swapped_in=sched.blocks_swapped_in,
             bytes_swapped_out=sched.blocks_swapped_out * self.cache.bytes_per_block,
             bytes_swapped_in=sched.blocks_swapped_in * self.cache.bytes_per_block,
+            prefix_cache_queries=bm.cache.queries if bm.cache else 0,
+            prefix_cache_hits=bm.cache.hits if bm.cache else 0,
+            prefix_cache_hit_rate=bm.cache.hit_rate if bm.cache else 0.0,
         )

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from .engine import LLMEngine
 from .model.fetch import DEFAULT_MODEL
 from .outputs import RequestOutput
+from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .sampling_params import OutputKind, SamplingParams
 
 
@@ -37,12 +38,7 @@ class LLM:
         prompts: a str, a list of str, a list of token-id lists, or dicts with
         "prompt" / "prompt_token_ids"; sampling_params: one for all, or one each.
         """
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}")
-        prompts = list(prompts)
+        prompts = self._as_prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
@@ -50,6 +46,23 @@ class LLM:
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
         return self._run(prompts, params, use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Beam search for each prompt; returns, per prompt, its best beam_width sequences.
+
+        Each sequence has ``tokens`` and ``text`` including the prompt (vLLM's shape) and
+        ``cum_logprob``, the sum of the model's log-probabilities of the generated tokens.
+        """
+        prompts = self._as_prompt_list(prompts)
+        engine = self.llm_engine
+        groups = [engine._make_beam_group(str(next(self._request_ids)), p, params) for p in prompts]
+        outputs = self._drive(groups, use_tqdm)
+        tokenizer = self.get_tokenizer()
+        return [BeamSearchOutput([BeamSearchSequence(
+            tokens=o.prompt_token_ids + c.token_ids,
+            text=tokenizer.decode(o.prompt_token_ids + c.token_ids, skip_special_tokens=True),
+            cum_logprob=c.cumulative_logprob, finish_reason=c.finish_reason) for c in o.outputs])
+            for o in outputs]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -66,6 +79,15 @@ class LLM:
             out.prompt = tokenizer.decode(prompt["prompt_token_ids"])
         return outputs
 
+    @staticmethod
+    def _as_prompt_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}")
+        return list(prompts)
+
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         # Validate every prompt before queueing any, so one bad prompt leaves no orphans.
@@ -73,6 +95,11 @@ class LLM:
         groups = [engine._make_group(str(next(self._request_ids)), p,
                                      dataclasses.replace(sp, output_kind=OutputKind.FINAL_ONLY))
                   for p, sp in zip(prompts, params)]
+        return self._drive(groups, use_tqdm)
+
+    def _drive(self, groups: list, use_tqdm: bool) -> list[RequestOutput]:
+        """Queue the (validated) requests, step until all are done, outputs in their order."""
+        engine = self.llm_engine
         order = {g.request_id: i for i, g in enumerate(groups)}
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(groups), desc="Processed prompts", disable=not use_tqdm)

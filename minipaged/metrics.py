@@ -18,6 +18,7 @@ def _percentiles(values: list[float], prefix: str) -> dict:
 @dataclass
 class Metrics:
     kv_blocks_peak: int = 0
+    kv_blocks_unshared_peak: int = 0   # the peak if every sequence had its own copy of every block
     num_steps: int = 0
     prompt_tokens: int = 0        # prompt (and recomputed) tokens run through the model
     generation_tokens: int = 0    # tokens sampled
@@ -27,9 +28,11 @@ class Metrics:
     # what the last periodic log line had seen, to report rates since then
     _last_log: tuple[float, int, int] = (0.0, 0, 0)
 
-    def record_step(self, kv_blocks_used: int, num_prompt_tokens: int, num_generated: int) -> None:
+    def record_step(self, kv_blocks_used: int, kv_blocks_mapped: int, num_prompt_tokens: int,
+                    num_generated: int) -> None:
         self.num_steps += 1
         self.kv_blocks_peak = max(self.kv_blocks_peak, kv_blocks_used)
+        self.kv_blocks_unshared_peak = max(self.kv_blocks_unshared_peak, kv_blocks_mapped)
         self.prompt_tokens += num_prompt_tokens
         self.generation_tokens += num_generated
 
@@ -42,6 +45,7 @@ class Metrics:
         return {
             **engine_state,
             "kv_blocks_peak": self.kv_blocks_peak,
+            "kv_blocks_unshared_peak": self.kv_blocks_unshared_peak,
             "num_steps": self.num_steps,
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,

@@ -15,6 +15,7 @@ import numpy as np
 from .kernels.layout import AttentionMetadata
 from .model.llama import LlamaModel
 from .scheduler import ScheduledSeq
+from .sequence import Sequence
 
 
 @dataclass
@@ -22,8 +23,9 @@ class ModelInput:
     input_ids: np.ndarray       # (T,) int64 the tokens computed this step, sequence after sequence
     positions: np.ndarray       # (T,) int64 their positions in their own sequences
     meta: AttentionMetadata
-    logits_indices: np.ndarray  # (N,) int64 batch rows whose next token is sampled
-    sampled: list[ScheduledSeq]  # (N,) the sequences those rows belong to
+    logits_indices: np.ndarray  # (N,) int64 batch rows whose next token is sampled (a row
+                                #       repeats for samples that share one prompt computation)
+    sampled: list[tuple[ScheduledSeq, Sequence]]  # (N,) the scheduled item and the sample drawing
 
 
 def build_model_input(scheduled: list[ScheduledSeq], block_tables: list[list[int]],
@@ -43,8 +45,9 @@ def build_model_input(scheduled: list[ScheduledSeq], block_tables: list[list[int
         seq_lens.append(start + n)
         row += n
         if item.do_sample:
-            logits_rows.append(row - 1)                       # the last new token predicts the next
-            sampled.append(item)
+            for sample in [seq, *item.followers]:             # the last new token predicts the next
+                logits_rows.append(row - 1)
+                sampled.append((item, sample))
     max_blocks = max(len(t) for t in block_tables)
     tables = np.full((len(block_tables), max_blocks), -1, dtype=np.int32)  # (S, max_blocks)
     for i, t in enumerate(block_tables):

@@ -7,6 +7,7 @@ and packages RequestOutputs as cumulative, delta or final-only reports.
 
 from __future__ import annotations
 
+from .beam_search import Hypothesis, best_sequences
 from .detokenizer import detokenize_new_tokens
 from .outputs import CompletionOutput, RequestOutput
 from .sampler import SampleResult
@@ -78,6 +79,21 @@ class OutputProcessor:
                 return stop
         return None
 
+    def _beam_output(self, group: SequenceGroup) -> RequestOutput:
+        """A finished beam search: its best beam_width hypotheses, ranked, as completions."""
+        running = [Hypothesis(s.token_ids, s.cumulative_logprob, False) for s in group.seqs]
+        prompt_len = len(group.prompt_token_ids)
+        best = best_sequences(group.beam, running, lambda ids: self.tokenizer.decode(ids[prompt_len:],
+                                                                                   skip_special_tokens=True))
+        completions = [CompletionOutput(index=i, text=b.text, token_ids=b.tokens[prompt_len:],
+                                        cumulative_logprob=b.cum_logprob, logprobs=None,
+                                        finish_reason=b.finish_reason)
+                       for i, b in enumerate(best)]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, True,
+                             metrics={"arrival_time": group.arrival_time,
+                                      "first_token_time": group.first_token_time,
+                                      "finished_time": group.finished_time})
+
     def forget(self, group: SequenceGroup) -> None:
         """Drop what was reported for a finished or aborted request."""
         for seq in group.seqs:
@@ -87,6 +103,8 @@ class OutputProcessor:
         """The report for this step, or None if the request's output kind says to stay quiet."""
         kind = group.sampling_params.output_kind
         finished = group.is_finished()
+        if group.beam is not None:
+            return self._beam_output(group) if finished else None
         if kind == OutputKind.FINAL_ONLY and not finished:
             return None
         completions = []

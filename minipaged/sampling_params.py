@@ -18,9 +18,23 @@ class OutputKind(enum.Enum):
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM does)
 
 
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded with ``seed``.
+
+    Sample 0 uses the request's seed itself; sample i >= 1 uses the first 64-bit
+    word of numpy's SeedSequence([seed, i]). So sample i of an n-sample request
+    draws exactly what an n=1 request seeded with ``derive_seed(seed, i)`` draws.
+    """
+    if index == 0:
+        return seed
+    import numpy as np  # noqa: PLC0415 (keeps this module importable without numpy)
+
+    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0])
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    n: int = 1
+    n: int = 1                        # samples per prompt; they share the prompt's KV blocks
     temperature: float = 1.0          # 0 (or below 1e-5) means greedy
     top_p: float = 1.0                # keep the smallest set of tokens whose probability >= top_p
     top_k: int = -1                   # keep the k most likely tokens; -1 (or 0) keeps all

@@ -46,6 +46,9 @@ class ScheduledSeq:
     num_new_tokens: int   # the query length: a prompt (or a chunk of it), or 1 for a decode
     do_sample: bool       # these tokens reach the end of the known context: sample the next one
     is_prefill: bool      # prompt (or recomputed) tokens rather than one decode token
+    # Samples of the same prompt that share this sequence's blocks and computation:
+    # they mirror its progress and each draw their own token from its logits.
+    followers: list[Sequence] = field(default_factory=list)
 
 
 @dataclass
@@ -54,6 +57,7 @@ class SchedulerOutput:
     preempted: list[SequenceGroup] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # copy-on-write (src, dst)
     num_steps: int = 1    # > 1: a decode-only batch run for several steps (slots reserved ahead)
 
     @property
@@ -102,7 +106,7 @@ class Scheduler:
         return None
 
     def num_running_seqs(self) -> int:
-        return sum(len(g.unfinished_seqs()) for g in self.running)
+        return sum(g.num_seqs_reserved() for g in self.running)
 
     @property
     def num_preemptions(self) -> int:
@@ -138,8 +142,9 @@ class Scheduler:
             else:
                 decoding.append(group)
                 for seq in group.unfinished_seqs():
-                    self.block_manager.append_slots(seq)
+                    out.blocks_to_copy.extend(self.block_manager.append_slots(seq))
                     out.scheduled.append(ScheduledSeq(group, seq, 1, do_sample=True, is_prefill=False))
+                    self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + 1)
                     budget -= 1
 
         # 2. Running requests still reading their prompt get their next chunk.
@@ -151,7 +156,7 @@ class Scheduler:
         while self.swapped and not out.preempted:
             group = self.swapped[0]
             if (not self.block_manager.can_swap_in(group)
-                    or self.num_running_seqs() + len(group.unfinished_seqs()) > self.config.max_num_seqs
+                    or self.num_running_seqs() + group.num_seqs_reserved() > self.config.max_num_seqs
                     or self._prefill_tokens(group, budget, chunked) == 0):
                 break
             self._insert(self.running, self.swapped.pop(0))
@@ -159,8 +164,9 @@ class Scheduler:
             out.blocks_to_swap_in.extend(mapping)
             self.blocks_swapped_in += len(mapping)
             group.set_status(SequenceStatus.RUNNING)
-            for seq in group.unfinished_seqs():
-                self.block_manager.append_slots(seq)
+            if not group.in_prompt_phase():
+                for seq in group.unfinished_seqs():
+                    out.blocks_to_copy.extend(self.block_manager.append_slots(seq))
             budget -= self._schedule_prefill(group, budget, chunked, out)
 
         # 4. New (or recomputing) requests in arrival order; the first that does not fit blocks the rest.
@@ -168,7 +174,7 @@ class Scheduler:
             group = self.waiting[0]
             if self._prefill_tokens(group, budget, chunked) == 0:
                 break
-            if self.num_running_seqs() + len(group.unfinished_seqs()) > self.config.max_num_seqs:
+            if self.num_running_seqs() + group.num_seqs_reserved() > self.config.max_num_seqs:
                 break
             if self.block_manager.can_allocate(group) != AllocStatus.OK:
                 break  # LATER; NEVER is refused before a request is queued
@@ -183,7 +189,10 @@ class Scheduler:
 
     def _prefill_tokens(self, group: SequenceGroup, budget: int, chunked: bool) -> int:
         """Tokens the group computes this step: all it lacks, or (chunked) what the budget allows."""
-        wanted = group.num_uncomputed_tokens()
+        seqs = group.unfinished_seqs()
+        if group.in_prompt_phase():
+            seqs = seqs[:1]   # one sample computes the shared prompt for all
+        wanted = sum(s.num_uncomputed_tokens for s in seqs)
         if chunked:
             return min(wanted, budget)
         return wanted if wanted <= budget else 0
@@ -192,22 +201,26 @@ class Scheduler:
                           out: SchedulerOutput) -> int:
         """Schedule the group's next tokens (a prompt chunk, or a decode); returns tokens used."""
         num_tokens = self._prefill_tokens(group, budget, chunked)
+        seqs = group.unfinished_seqs()
+        followers = seqs[1:] if group.in_prompt_phase() else []
         used = 0
-        for seq in group.unfinished_seqs():
+        for seq in seqs[:1] if followers else seqs:
             n = min(seq.num_uncomputed_tokens, num_tokens - used)
             if n <= 0:
                 break
             out.scheduled.append(ScheduledSeq(
                 group, seq, n, do_sample=seq.num_computed_tokens + n == seq.num_tokens,
-                is_prefill=seq.num_computed_tokens < seq.num_prompt_tokens or n > 1))
+                is_prefill=seq.num_computed_tokens < seq.num_prompt_tokens or n > 1,
+                followers=followers))
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
             used += n
         return used
 
     def _reserve_lookahead(self, out: SchedulerOutput) -> None:
         """Multi-step: a batch of pure decodes runs ``num_scheduler_steps`` steps if slots allow."""
         steps = self.config.num_scheduler_steps
-        if steps == 1 or not out.scheduled or any(s.is_prefill for s in out.scheduled):
-            return
+        if steps == 1 or not out.scheduled or any(s.is_prefill or s.group.beam for s in out.scheduled):
+            return  # (beams change from step to step: they are chosen one step at a time)
         lookahead = {}
         for item in out.scheduled:
             params = item.group.sampling_params
@@ -220,7 +233,7 @@ class Scheduler:
         if needed > self.block_manager.num_free_blocks:
             return  # not enough room to run ahead: one step this time
         for item in out.scheduled:
-            self.block_manager.append_slots(item.seq, lookahead[item.seq.seq_id])
+            out.blocks_to_copy.extend(self.block_manager.append_slots(item.seq, lookahead[item.seq.seq_id]))
         out.num_steps = steps
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only for type hints; keeps this module free of numpy/model imports
+    from .beam_search import BeamState
     from .sampling_params import SamplingParams
 
 
@@ -92,6 +93,7 @@ class SequenceGroup:
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_index: int = -1      # FCFS order, set by the scheduler when the request is added
+    beam: "BeamState | None" = None  # set for a beam search request (see beam_search.py)
     first_token_time: float | None = None
     finished_time: float | None = None
 
@@ -105,12 +107,21 @@ class SequenceGroup:
     def is_finished(self) -> bool:
         return all(s.is_finished() for s in self.seqs)
 
+    def num_seqs_reserved(self) -> int:
+        """Sequences this request may run at once: a beam search grows to beam_width."""
+        live = len(self.unfinished_seqs())
+        return max(live, self.beam.params.beam_width) if self.beam is not None and live else live
+
     def set_status(self, status: SequenceStatus) -> None:
         for seq in self.unfinished_seqs():
             seq.status = status
 
     def num_uncomputed_tokens(self) -> int:
         return sum(s.num_uncomputed_tokens for s in self.unfinished_seqs())
+
+    def in_prompt_phase(self) -> bool:
+        """No sample has generated anything yet: all still hold exactly the prompt."""
+        return all(s.num_output_tokens == 0 for s in self.unfinished_seqs())
 
     def is_prefilling(self) -> bool:
         """Its prompt (or, after recomputation, prompt + output) is not all in the cache yet."""

@@ -52,9 +52,26 @@ def test_generate_json(tiny_model_dir):
     result = run_cli("generate", "abc", "hello", "--model", str(tiny_model_dir), "--device", "cpu",
                      "--max-tokens", "5", "--ignore-eos", "--json")
     assert result.returncode == 0, result.stderr
-    outputs = json.loads(result.stdout)
-    assert [o["prompt"] for o in outputs] == ["abc", "hello"]
-    assert all(len(o["token_ids"]) == 5 and o["finish_reason"] == "length" for o in outputs)
+    rows = json.loads(result.stdout)
+    assert [r["prompt"] for r in rows] == ["abc", "hello"]
+    for row in rows:
+        (out,) = row["outputs"]
+        assert len(out["token_ids"]) == 5 and out["finish_reason"] == "length"
+        assert out["text"].startswith(row["prompt"])
+
+
+def test_generate_n_and_beam_width(tiny_model_dir):
+    flags = ["--model", str(tiny_model_dir), "--device", "cpu", "--max-tokens", "4", "--json"]
+    rows = json.loads(run_cli("generate", "abc", "--n", "3", "--temperature", "1", *flags).stdout)
+    assert len(rows[0]["outputs"]) == 3
+    result = run_cli("generate", "abc", "--beam-width", "2", "--ignore-eos", *flags)
+    assert result.returncode == 0, result.stderr
+    beams = json.loads(result.stdout)[0]["outputs"]
+    llm = LLM(str(tiny_model_dir), device="cpu")
+    from minipaged import BeamSearchParams
+    expected = llm.beam_search("abc", BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True),
+                               use_tqdm=False)[0].sequences
+    assert [b["token_ids"] for b in beams] == [e.tokens for e in expected]
 
 
 @pytest.mark.parametrize("args", [["generate"], ["chat", "--block-size", "x"], ["nonsense"],

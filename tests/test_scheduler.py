@@ -32,11 +32,14 @@ def fake_step(scheduler: Scheduler, max_model_len: int):
             table = scheduler.block_manager.tables[item.seq.seq_id]
             assert item.seq.num_computed_tokens + item.num_new_tokens <= table.num_tokens, "no slot"
             item.seq.num_computed_tokens += item.num_new_tokens
+            for follower in item.followers:
+                follower.num_computed_tokens = item.seq.num_computed_tokens
             if item.do_sample:
-                item.seq.output_token_ids.append(1)
-                if (item.seq.num_output_tokens >= item.group.sampling_params.max_tokens
-                        or item.seq.num_tokens >= max_model_len):
-                    item.seq.status = SequenceStatus.FINISHED_LENGTH
+                for seq in [item.seq, *item.followers]:
+                    seq.output_token_ids.append(1)
+                    if (seq.num_output_tokens >= item.group.sampling_params.max_tokens
+                            or seq.num_tokens >= max_model_len):
+                        seq.status = SequenceStatus.FINISHED_LENGTH
     scheduler.free_finished()
     return plan
 

@@ -1,0 +1,114 @@
+"""Beam search: keep the ``beam_width`` most likely continuations, forking and pruning them.
+
+A beam is a sequence; beams of one request share every block of their common
+prefix. Each step, every running beam proposes its ``2 * beam_width`` most
+likely next tokens; the best ``beam_width`` proposals that do not end the text
+become the new beams (a beam with two survivors forks: fork() of a process,
+blocks shared, copy-on-write at the next divergent write), a beam with none is
+pruned and frees what only it held, at once. A proposal that ends with EOS is
+set aside as a finished hypothesis. After ``max_tokens`` steps the finished
+hypotheses and the running beams are ranked by ``cum_logprob / length **
+length_penalty`` (vLLM's rule: the length counts the prompt, not a final EOS).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"invalid BeamSearchParams: beam_width must be a positive integer, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"invalid BeamSearchParams: max_tokens must be at least 1, got {self.max_tokens!r}")
+        if not isinstance(self.length_penalty, (int, float)) or not np.isfinite(self.length_penalty):
+            raise ValueError(f"invalid BeamSearchParams: length_penalty must be a finite number, "
+                             f"got {self.length_penalty!r}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One ranked result, in vLLM's shape: ``tokens`` and ``text`` include the prompt."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float          # sum of the model's log-probabilities of the generated tokens
+    finish_reason: str          # "stop" (ended with EOS) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]   # best first
+
+
+@dataclass
+class Hypothesis:
+    """A finished beam: it needs no KV blocks any more, only its tokens and score."""
+
+    tokens: list[int]           # prompt + generated
+    cum_logprob: float
+    ended_with_eos: bool
+
+
+@dataclass
+class BeamState:
+    """Per-request beam bookkeeping kept beside its SequenceGroup."""
+
+    params: BeamSearchParams
+    eos_token_id: int | None
+    finished: list[Hypothesis] = field(default_factory=list)
+
+
+def beam_score(num_tokens: int, cum_logprob: float, ended_with_eos: bool, length_penalty: float) -> float:
+    length = num_tokens - 1 if ended_with_eos else num_tokens
+    return cum_logprob / (length ** length_penalty)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    parent: int        # index of the beam it extends
+    token: int
+    logprob: float     # of this token
+    cum_logprob: float
+
+
+def propose(cum_logprobs: list[float], logprobs: np.ndarray, state: BeamState
+            ) -> tuple[list[Proposal], list[Proposal]]:
+    """Choose the next beams from each beam's log-probabilities.
+
+    cum_logprobs: (B,) of the running beams; logprobs: (B, vocab) of their next token.
+    Returns (the new running beams, best first; proposals that ended with EOS).
+    """
+    width = state.params.beam_width
+    k = min(2 * width, logprobs.shape[1])
+    candidates, ended = [], []
+    for parent, row in enumerate(logprobs):
+        top = np.argpartition(-row, k - 1)[:k]
+        top = top[np.lexsort((top, -row[top]))]          # most likely first, ties by token id
+        for token in top:
+            proposal = Proposal(parent, int(token), float(row[token]), cum_logprobs[parent] + float(row[token]))
+            if token == state.eos_token_id and not state.params.ignore_eos:
+                ended.append(proposal)
+            else:
+                candidates.append(proposal)
+    # all candidates have the same length, so ranking by score is ranking by cum_logprob
+    candidates.sort(key=lambda p: -p.cum_logprob)
+    return candidates[:width], ended
+
+
+def best_sequences(state: BeamState, running: list[Hypothesis], decode) -> list[BeamSearchSequence]:
+    """Rank finished hypotheses and running beams together; keep the best beam_width."""
+    p = state.params
+    pool = state.finished + running
+    pool.sort(key=lambda h: -beam_score(len(h.tokens), h.cum_logprob, h.ended_with_eos, p.length_penalty))
+    return [BeamSearchSequence(h.tokens, decode(h.tokens), h.cum_logprob,
+                               "stop" if h.ended_with_eos else "length") for h in pool[:p.beam_width]]
