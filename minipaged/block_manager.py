@@ -192,9 +192,9 @@ class BlockManager:
             self.allocator.incref(block)
 
     # ------------------------------------------------------------------ growth
-    def can_append_slots(self, group: SequenceGroup, num_lookahead: int = 0) -> bool:
-        """Is there a free block for every running sequence that needs one this step?"""
-        return self.num_new_blocks(group.unfinished_seqs(), num_lookahead) <= self.num_free_blocks
+    def can_append_slots(self, seqs: list[Sequence], num_lookahead: int = 0) -> bool:
+        """Is there a free block for each of these decoding sequences that needs one this step?"""
+        return self.num_new_blocks(seqs, num_lookahead) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_lookahead: int = 0) -> list[tuple[int, int]]:
         """Map the slots this step writes: the newest token, plus ``num_lookahead`` more

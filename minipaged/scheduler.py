@@ -121,58 +121,48 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        chunked = self.config.enable_chunked_prefill
 
-        # 1. Running requests that decode get one slot each, earliest arrival first.
-        queue = deque(g for g in self.running if not g.is_prefilling())
-        prefilling = [g for g in self.running if g.is_prefilling()]
-        decoding: list[SequenceGroup] = []
+        # 1. Running sequences that decode get one slot each, earliest request first.
+        queue = deque(g for g in self.running if self._decoding(g))
+        prefilling = [g for g in self.running if self._prefilling(g)]
         while queue:
             group = queue.popleft()
-            while not self.block_manager.can_append_slots(group):
+            while not self.block_manager.can_append_slots(self._decoding(group)):
                 # Out of blocks: evict the latest arrival (possibly this group itself).
                 victim = max([group, *queue, *prefilling], key=lambda g: g.arrival_index)
                 if victim in queue:
                     queue.remove(victim)
-                elif victim in prefilling:
+                if victim in prefilling:
                     prefilling.remove(victim)
                 self._preempt(victim, out)
                 if victim is group:
                     break
             else:
-                decoding.append(group)
-                for seq in group.unfinished_seqs():
-                    out.blocks_to_copy.extend(self.block_manager.append_slots(seq))
-                    out.scheduled.append(ScheduledSeq(group, seq, 1, do_sample=True, is_prefill=False))
-                    self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + 1)
-                    budget -= 1
+                budget -= self._schedule_decodes(group, out)
 
         # 2. Running requests still reading their prompt get their next chunk.
         for group in prefilling:
-            budget -= self._schedule_prefill(group, budget, chunked, out)
-        self.running = sorted(decoding + prefilling, key=lambda g: g.arrival_index)
+            budget -= self._schedule_prefill(group, budget, out)
+        self.running = [g for g in self.running if g not in out.preempted]
 
         # 3. Swapped requests come back, earliest first, before anything new.
         while self.swapped and not out.preempted:
             group = self.swapped[0]
-            if (not self.block_manager.can_swap_in(group)
-                    or self.num_running_seqs() + group.num_seqs_reserved() > self.config.max_num_seqs
-                    or self._prefill_tokens(group, budget, chunked) == 0):
+            if (not self.block_manager.can_swap_in(group) or not self._fits(group, budget)
+                    or self.num_running_seqs() + group.num_seqs_reserved() > self.config.max_num_seqs):
                 break
             self._insert(self.running, self.swapped.pop(0))
             mapping = self.block_manager.swap_in(group)
             out.blocks_to_swap_in.extend(mapping)
             self.blocks_swapped_in += len(mapping)
             group.set_status(SequenceStatus.RUNNING)
-            if not group.in_prompt_phase():
-                for seq in group.unfinished_seqs():
-                    out.blocks_to_copy.extend(self.block_manager.append_slots(seq))
-            budget -= self._schedule_prefill(group, budget, chunked, out)
+            budget -= self._schedule_decodes(group, out)
+            budget -= self._schedule_prefill(group, budget, out)
 
         # 4. New (or recomputing) requests in arrival order; the first that does not fit blocks the rest.
         while self.waiting and not self.swapped and not out.preempted:
             group = self.waiting[0]
-            if self._prefill_tokens(group, budget, chunked) == 0:
+            if not self._fits(group, budget):
                 break
             if self.num_running_seqs() + group.num_seqs_reserved() > self.config.max_num_seqs:
                 break
@@ -182,36 +172,74 @@ class Scheduler:
             self._insert(self.running, self.waiting.pop(0))
             self.block_manager.allocate(group)
             group.set_status(SequenceStatus.RUNNING)
-            budget -= self._schedule_prefill(group, budget, chunked, out)
+            # a recomputed request whose prefix is all cached but its newest token is a decode
+            budget -= self._schedule_decodes(group, out)
+            budget -= self._schedule_prefill(group, budget, out)
 
         self._reserve_lookahead(out)
         return out
 
-    def _prefill_tokens(self, group: SequenceGroup, budget: int, chunked: bool) -> int:
-        """Tokens the group computes this step: all it lacks, or (chunked) what the budget allows."""
-        seqs = group.unfinished_seqs()
+    # ------------------------------------------------------------------ what a group needs
+    @staticmethod
+    def _decoding(group: SequenceGroup) -> list[Sequence]:
+        """Sequences whose context is cached but for the newest token: one decode step each."""
         if group.in_prompt_phase():
-            seqs = seqs[:1]   # one sample computes the shared prompt for all
-        wanted = sum(s.num_uncomputed_tokens for s in seqs)
-        if chunked:
-            return min(wanted, budget)
-        return wanted if wanted <= budget else 0
+            return []
+        return [s for s in group.unfinished_seqs()
+                if s.num_computed_tokens > 0 and s.num_uncomputed_tokens == 1]
 
-    def _schedule_prefill(self, group: SequenceGroup, budget: int, chunked: bool,
-                          out: SchedulerOutput) -> int:
-        """Schedule the group's next tokens (a prompt chunk, or a decode); returns tokens used."""
-        num_tokens = self._prefill_tokens(group, budget, chunked)
-        seqs = group.unfinished_seqs()
-        followers = seqs[1:] if group.in_prompt_phase() else []
+    @staticmethod
+    def _prefilling(group: SequenceGroup) -> list[Sequence]:
+        """Sequences with a prompt (or, after recomputation, prompt + output) still to compute.
+
+        While a request's samples all still hold just the prompt, the first computes it
+        for all (the others share its blocks and follow it) until the first token is drawn.
+        """
+        if group.in_prompt_phase():
+            return group.unfinished_seqs()[:1]
+        return [s for s in group.unfinished_seqs()
+                if s.num_computed_tokens == 0 or s.num_uncomputed_tokens > 1]
+
+    def _prefill_tokens(self, group: SequenceGroup, budget: int) -> int:
+        """Prompt tokens the group computes this step: with chunked prefill what the budget
+        allows; without, whole sequences only (each fits a step: budget >= max_model_len)."""
+        wanted = [s.num_uncomputed_tokens for s in self._prefilling(group)]
+        if self.config.enable_chunked_prefill:
+            return min(sum(wanted), budget)
+        total = 0
+        for n in wanted:
+            if total + n > budget:
+                break
+            total += n
+        return total
+
+    def _fits(self, group: SequenceGroup, budget: int) -> bool:
+        """Can the group make progress within the budget left this step?"""
+        decodes = len(self._decoding(group))
+        needs_prefill = bool(self._prefilling(group))
+        return decodes <= budget and (not needs_prefill or self._prefill_tokens(group, budget - decodes) > 0)
+
+    def _schedule_decodes(self, group: SequenceGroup, out: SchedulerOutput) -> int:
+        """One slot (copy-on-write if shared) and one token for each decoding sequence."""
+        seqs = self._decoding(group)
+        for seq in seqs:
+            out.blocks_to_copy.extend(self.block_manager.append_slots(seq))
+            out.scheduled.append(ScheduledSeq(group, seq, 1, do_sample=True, is_prefill=False))
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + 1)
+        return len(seqs)
+
+    def _schedule_prefill(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
+        """Schedule the group's next prompt tokens; returns how many."""
+        num_tokens = self._prefill_tokens(group, budget)
+        followers = group.unfinished_seqs()[1:] if group.in_prompt_phase() else []
         used = 0
-        for seq in seqs[:1] if followers else seqs:
+        for seq in self._prefilling(group):
             n = min(seq.num_uncomputed_tokens, num_tokens - used)
             if n <= 0:
                 break
             out.scheduled.append(ScheduledSeq(
                 group, seq, n, do_sample=seq.num_computed_tokens + n == seq.num_tokens,
-                is_prefill=seq.num_computed_tokens < seq.num_prompt_tokens or n > 1,
-                followers=followers))
+                is_prefill=True, followers=followers))
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
             used += n
         return used

@@ -51,7 +51,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = self.live[data.draw(st.sampled_from(sorted(self.live)))]
         seq.output_token_ids.append(7)       # a decode step produced one more token to cache
         group = SequenceGroup("g", [seq], SamplingParams())
-        if self.manager.can_append_slots(group):
+        if self.manager.can_append_slots([seq]):
             table = self.manager.tables[seq.seq_id]
             grows = table.needs_new_block()
             free_before = self.manager.num_free_blocks
@@ -129,3 +129,104 @@ def test_watermark_keeps_blocks_for_running_sequences():
     assert manager.can_allocate(make_group(1, 96)) == AllocStatus.NEVER
     manager.allocate(make_group(2, 10))
     assert manager.can_allocate(make_group(3, 86)) == AllocStatus.LATER
+
+
+# ---------------------------------------------------------------- sharing: fork, CoW, prefix cache
+
+
+class SharingMachine(RuleBasedStateMachine):
+    """Forks, copy-on-write, pruning and prefix-cache hits against a shadow copy of the KV pool.
+
+    ``memory[block][offset]`` records which token each slot holds; every write and every
+    copy plan is applied to it. After each operation every sequence must read its own
+    tokens through its table (a write by one never changes what another reads), every
+    cached name must point at a block holding exactly its tokens, and the books balance.
+    """
+
+    @initialize(num_blocks=st.integers(4, 48), block_size=st.sampled_from([1, 2, 4]),
+                caching=st.booleans())
+    def setup(self, num_blocks, block_size, caching):
+        self.manager = BlockManager(num_blocks, block_size, watermark=0.0, enable_prefix_caching=caching)
+        self.memory = {b: [None] * block_size for b in range(num_blocks)}
+        self.live: dict[int, Sequence] = {}
+        self.next_id = 0
+
+    def _write(self, seq: Sequence, first: int) -> None:
+        """Write the KV of positions first.. of seq (as a step would) after CoW copies."""
+        table = self.manager.tables[seq.seq_id]
+        for pos in range(first, seq.num_tokens):
+            block, off = divmod(pos, self.manager.block_size)
+            self.memory[table.block_ids[block]][off] = seq.token_ids[pos]
+        seq.num_computed_tokens = seq.num_tokens
+
+    def _copy(self, plan):
+        for src, dst in plan:
+            self.memory[dst] = list(self.memory[src])
+
+    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=24))
+    def admit(self, prompt):
+        """A request arrives; with a small alphabet, prompts often share prefixes."""
+        seq = Sequence(self.next_id, list(prompt))
+        self.next_id += 1
+        group = SequenceGroup(str(seq.seq_id), [seq], SamplingParams())
+        if self.manager.can_allocate(group) != AllocStatus.OK:
+            return
+        self.manager.allocate(group)                    # prefix hits set num_computed_tokens
+        first = seq.num_computed_tokens
+        self.manager.cache_full_blocks(seq, seq.num_tokens)
+        self._write(seq, first)
+        self.live[seq.seq_id] = seq
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        child = Sequence(self.next_id, list(parent.prompt_token_ids), list(parent.output_token_ids),
+                         num_computed_tokens=parent.num_computed_tokens)
+        self.next_id += 1
+        self.manager.fork(parent, child)
+        self.live[child.seq_id] = child
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def decode(self, data, token):
+        seq = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        seq.output_token_ids.append(token)              # sampled last step; written now
+        group = SequenceGroup("g", [seq], SamplingParams())
+        if not self.manager.can_append_slots([seq]):
+            seq.output_token_ids.pop()
+            return
+        self._copy(self.manager.append_slots(seq))
+        self.manager.cache_full_blocks(seq, seq.num_tokens)
+        self._write(seq, seq.num_computed_tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def prune(self, data):
+        self.manager.free(self.live.pop(data.draw(st.sampled_from(sorted(self.live)))))
+
+    @invariant()
+    def each_reads_its_own_tokens(self):
+        m = self.manager
+        m.check_invariants(list(self.live.values()))
+        for seq in self.live.values():
+            table = m.tables[seq.seq_id]
+            read = [self.memory[table.block_ids[p // m.block_size]][p % m.block_size]
+                    for p in range(seq.num_computed_tokens)]
+            assert read == seq.token_ids[:seq.num_computed_tokens]
+        if m.cache is not None:
+            for block, tokens in m.cache.tokens_of.items():
+                assert tuple(self.memory[block]) == tokens, "a cached name points at other tokens"
+        holders = sum(len(t.block_ids) for t in m.tables.values())
+        assert m.num_used_blocks <= holders                                  # sharing never costs
+        assert m.num_mapped_blocks == holders
+
+    def teardown(self):
+        for seq in self.live.values():
+            self.manager.free(seq)
+        assert self.manager.num_free_blocks == self.manager.num_blocks
+        self.manager.check_invariants()
+
+
+TestSharingMachine = SharingMachine.TestCase
+TestSharingMachine.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

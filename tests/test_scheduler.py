@@ -54,13 +54,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 num_blocks=st.integers(4, 40), num_cpu_blocks=st.integers(0, 40),
                 max_num_seqs=st.integers(1, 6), chunked=st.booleans(),
                 mode=st.sampled_from(["swap", "recompute", "auto"]), steps=st.sampled_from([1, 1, 3]),
-                budget_extra=st.integers(0, 64), data=st.data())
+                budget_extra=st.integers(0, 64), caching=st.booleans())
     def setup(self, block_size, max_model_len, num_blocks, num_cpu_blocks, max_num_seqs, chunked,
-              mode, steps, budget_extra, data):
+              mode, steps, budget_extra, caching):
         self.max_model_len = max_model_len
         floor = max_num_seqs if chunked else max(max_model_len, max_num_seqs)
         self.budget = floor + budget_extra
-        self.manager = BlockManager(num_blocks, block_size, num_cpu_blocks, watermark=0.0)
+        self.manager = BlockManager(num_blocks, block_size, num_cpu_blocks, watermark=0.0,
+                                    enable_prefix_caching=caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len, max_num_seqs, self.budget, enable_chunked_prefill=chunked,
             preemption_mode=mode, num_scheduler_steps=steps), self.manager)
@@ -70,18 +71,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.admitted: list[str] = []
         self.next_id = 0
 
-    @rule(prompt_len=st.integers(1, 64), max_tokens=st.integers(1, 20))
-    def add_request(self, prompt_len, max_tokens):
-        prompt_len = min(prompt_len, self.max_model_len)
-        need = blocks_for(footprint(prompt_len, max_tokens, self.max_model_len), self.manager.block_size)
-        if need > self.manager.num_blocks:
+    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=64), max_tokens=st.integers(1, 20),
+          n=st.sampled_from([1, 1, 2, 3]))
+    def add_request(self, prompt, max_tokens, n):
+        prompt = prompt[:self.max_model_len]       # a small alphabet: shared prefixes are common
+        need = n * blocks_for(footprint(len(prompt), max_tokens, self.max_model_len), self.manager.block_size)
+        if need > self.manager.num_blocks or n > self.scheduler.config.max_num_seqs:
             return  # the engine refuses it at the door
         rid = str(self.next_id)
-        seq = Sequence(self.next_id, [5] * prompt_len)
+        seqs = [Sequence(self.next_id * 10 + i, list(prompt)) for i in range(n)]
         self.next_id += 1
-        group = SequenceGroup(rid, [seq], SamplingParams(max_tokens=max_tokens))
+        group = SequenceGroup(rid, seqs, SamplingParams(max_tokens=max_tokens, n=n))
         self.groups[rid] = group
-        self.wanted[rid] = min(max_tokens, max(self.max_model_len - prompt_len, 1))
+        self.wanted[rid] = min(max_tokens, max(self.max_model_len - len(prompt), 1))
         self.scheduler.add_seq_group(group)
 
     @precondition(lambda self: self.groups)
@@ -129,7 +131,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.manager.cpu_allocator.num_free == self.manager.cpu_allocator.num_blocks
         for rid, group in self.groups.items():
             if rid not in self.aborted:
-                assert group.seqs[0].num_output_tokens == self.wanted[rid], rid
+                assert all(seq.num_output_tokens == self.wanted[rid] for seq in group.seqs), rid
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase

@@ -76,7 +76,7 @@ for word in ["fathers", "brought", "forth"]:
     table = bm.tables[seq_a.seq_id]
     needs_block = table.needs_new_block()
     seq_a.append_token(tokens(word)[0], logprob=0.0)
-    assert bm.can_append_slots(req_a)
+    assert bm.can_append_slots(req_a.seqs)
     bm.append_slots(seq_a)
     print(f"  + {word!r:10} new block needed: {str(needs_block):5} "
           f"-> blocks {table.block_ids}, fills {table.fills}")
