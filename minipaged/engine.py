@@ -251,7 +251,7 @@ class LLMEngine:
                                   self.output_processor.banned_tokens(item.group, seq))
                     for item, seq in (model_input.sampled[r] for r in sample_rows)]
         results = self.sampler(logits[sample_rows], requests)
-        beam_logprobs = log_softmax(logits[beam_rows])                    # (beams, vocab)
+        beam_logprobs = log_softmax(logits[beam_rows].astype(np.float64))  # (beams, vocab); scores add up
         # Only now does the step change sequences: if anything above raised (or was
         # interrupted), the same sequences are simply scheduled again next step.
         for item in items:

@@ -24,5 +24,11 @@ def untied_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def calm_model_dir(tmp_path_factory) -> Path:
+    """Logits of a few units rather than tens: float32 sums of several log-probs stay within 1e-6."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-calm"), seed=2, embed_scale=0.2)
+
+
+@pytest.fixture(scope="session")
 def golden() -> dict:
     return json.loads(GOLDEN.read_text())

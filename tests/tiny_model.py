@@ -34,7 +34,7 @@ def tiny_config(**overrides) -> dict:
     return config
 
 
-def random_tensors(config: dict, seed: int) -> dict[str, np.ndarray]:
+def random_tensors(config: dict, seed: int, embed_scale: float = 1.0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     h, f = config["hidden_size"], config["intermediate_size"]
     d = config["head_dim"]
@@ -46,7 +46,7 @@ def random_tensors(config: dict, seed: int) -> dict[str, np.ndarray]:
     def norm(n):
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    embed = w(config["vocab_size"], h, scale=1.0)
+    embed = w(config["vocab_size"], h, scale=embed_scale)
     embed[config["eos_token_id"]] *= 2.0  # make EOS a likely argmax, so stop rules get exercised
     # Strong attention/MLP outputs keep a random model from just repeating its last token.
     mix = 4.0 / np.sqrt(h)
@@ -93,10 +93,11 @@ def write_tokenizer(path: Path) -> None:
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
 
 
-def write_tiny_llama(path: Path, seed: int = 0, **config_overrides) -> Path:
+def write_tiny_llama(path: Path, seed: int = 0, embed_scale: float = 1.0, **config_overrides) -> Path:
+    """embed_scale < 1 gives smaller logits (a flatter distribution, smaller float32 error)."""
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_config(**config_overrides)
     (path / "config.json").write_text(json.dumps(config))
-    save_file(random_tensors(config, seed), str(path / "model.safetensors"))
+    save_file(random_tensors(config, seed, embed_scale), str(path / "model.safetensors"))
     write_tokenizer(path)
     return path
