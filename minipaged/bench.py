@@ -8,6 +8,7 @@ table and optionally written as JSON for comparison across commits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -31,6 +32,14 @@ WORKLOADS = {
                      "(every ARRIVAL_GAP steps): the stall decodes suffer (inter-token latency)",
                      dict(num_prompts=16, min_prompt_len=32, max_prompt_len=32, output_len=96,
                           long_prompts=4, long_prompt_len=1024, arrival_gap=8)),
+    "parallel-sampling": ("N prompts, each sampled n=4 times (temperature 1, seeded): the samples "
+                          "share the prompt's blocks", dict(num_prompts=16, min_prompt_len=128,
+                                                            max_prompt_len=256, output_len=64)),
+    "beam": ("N prompts, beam search of width 4: beams share their common prefix",
+             dict(num_prompts=8, min_prompt_len=128, max_prompt_len=256, output_len=32)),
+    "shared-prefix": ("N requests behind one shared system prompt of PREFIX_LEN tokens, run with "
+                      "prefix caching off and on", dict(num_prompts=32, min_prompt_len=16, max_prompt_len=64,
+                                                        output_len=32, prefix_len=512)),
 }
 
 
@@ -40,11 +49,20 @@ class BenchRequest:
     output_len: int
     arrival_step: int = 0  # engine steps after the start at which the request arrives
     measured: bool = True  # counts in the latency figures (the long intruders do not)
+    n: int = 1             # parallel samples
+    beam_width: int = 0    # > 0: a beam search instead of sampling
 
 
 def make_requests(workload: str, cfg: dict, vocab: int, seed: int) -> list[BenchRequest]:
     requests = [BenchRequest(p, cfg["output_len"]) for p in
                 make_prompts(cfg["num_prompts"], cfg["min_prompt_len"], cfg["max_prompt_len"], vocab, seed)]
+    if workload == "parallel-sampling":
+        requests = [dataclasses.replace(r, n=4) for r in requests]
+    if workload == "beam":
+        requests = [dataclasses.replace(r, beam_width=4) for r in requests]
+    if workload == "shared-prefix":
+        prefix = make_prompts(1, cfg["prefix_len"], cfg["prefix_len"], vocab, seed + 2)[0]
+        requests = [dataclasses.replace(r, prompt=prefix + r.prompt) for r in requests]
     if workload == "long-prompts":
         longs = make_prompts(cfg["long_prompts"], cfg["long_prompt_len"], cfg["long_prompt_len"], vocab, seed + 1)
         requests += [BenchRequest(p, 8, arrival_step=(i + 1) * cfg["arrival_gap"], measured=False)
@@ -64,6 +82,7 @@ def add_bench_parser(sub, add_engine_flags) -> None:
     p.add_argument("--long-prompts", type=int, default=None, help="long-prompts: how many long prompts")
     p.add_argument("--long-prompt-len", type=int, default=None, help="long-prompts: their length")
     p.add_argument("--arrival-gap", type=int, default=None, help="long-prompts: steps between arrivals")
+    p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: system prompt length")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the prompt lengths and ids")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--peer", choices=["hf"], default=None,
@@ -85,6 +104,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def run_workload(engine, requests: list[BenchRequest], progress: bool = True) -> dict:
     """Feed the requests (each at its arrival step), step until done; timings and token counts."""
+    from .beam_search import BeamSearchParams  # noqa: PLC0415
     from .sampling_params import OutputKind, SamplingParams  # noqa: PLC0415
 
     pending = sorted(enumerate(requests), key=lambda r: r[1].arrival_step)
@@ -97,9 +117,13 @@ def run_workload(engine, requests: list[BenchRequest], progress: bool = True) ->
         while pending or engine.has_unfinished_requests():
             while pending and pending[0][1].arrival_step <= step:
                 i, req = pending.pop(0)
+                if req.beam_width:
+                    engine.add_beam_request(f"bench-{i}", req.prompt, BeamSearchParams(
+                        beam_width=req.beam_width, max_tokens=req.output_len, ignore_eos=True))
+                    continue
                 engine.add_request(f"bench-{i}", req.prompt, SamplingParams(
-                    temperature=0.0, max_tokens=req.output_len, ignore_eos=True, detokenize=False,
-                    output_kind=OutputKind.DELTA))
+                    n=req.n, temperature=1.0 if req.n > 1 else 0.0, seed=i, max_tokens=req.output_len,
+                    ignore_eos=True, detokenize=False, output_kind=OutputKind.DELTA))
             for out in engine.step():
                 now = time.perf_counter()
                 rid = out.request_id
@@ -118,7 +142,7 @@ def run_workload(engine, requests: list[BenchRequest], progress: bool = True) ->
     tpot = [(o.metrics["finished_time"] - o.metrics["first_token_time"]) / (lengths[o.request_id] - 1)
             for o in measured if lengths[o.request_id] > 1]
     prompt_tokens = sum(len(r.prompt) for r in requests)
-    generated = sum(r.output_len for r in requests)
+    generated = sum(r.output_len * max(r.n, r.beam_width) for r in requests)  # beams: tokens per beam
     stats = engine.get_stats()
     return {
         "requests": len(requests), "prompt_tokens": prompt_tokens, "generated_tokens": generated,
@@ -131,6 +155,8 @@ def run_workload(engine, requests: list[BenchRequest], progress: bool = True) ->
         "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
         "decode_tok_s_single": 1.0 / percentile(tpot, 50) if len(requests) == 1 and tpot else None,
         "kv_blocks_peak": stats["kv_blocks_peak"],
+        "kv_blocks_unshared_peak": stats["kv_blocks_unshared_peak"],
+        "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
         "num_preemptions": stats["num_preemptions"],
         "num_preemptions_swap": stats["num_preemptions_swap"],
         "num_preemptions_recompute": stats["num_preemptions_recompute"],
@@ -158,20 +184,49 @@ def run_peer(peer: str, model_dir: str, prompts: list[list[int]], output_len: in
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _print_table(workload: str, cfg: dict, results: dict[str, dict]) -> None:
+    """Several runs of one trace, side by side."""
+    labels = list(results)
+    keys = list(results[labels[0]])
+    width = max(len(k) for k in keys)
+    print(f"\n{workload}: {cfg}")
+    print(f"  {'':<{width}}  " + "  ".join(f"{label:>12}" for label in labels))
+    for key in keys:
+        cells = [results[label][key] for label in labels]
+        shown = [f"{c:12.4g}" if isinstance(c, float) else f"{str(c):>12}" for c in cells]
+        print(f"  {key:<{width}}  " + "  ".join(shown))
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .cli import engine_kwargs  # noqa: PLC0415
     from .engine import LLMEngine  # noqa: PLC0415
 
     _, defaults = WORKLOADS[args.workload]
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
-    engine = LLMEngine(**engine_kwargs(args))
-    vocab = engine.model_config.vocab_size
-    requests = make_requests(args.workload, cfg, vocab, args.workload_seed)
-    # Warm-up: compile the kernels and touch the weights; then start the counters afresh.
-    run_workload(engine, [BenchRequest(p, 2) for p in make_prompts(2, 40, 40, vocab, 1)], progress=False)
-    engine.metrics = Metrics()
-    engine.scheduler.reset_counters()
-    result = run_workload(engine, requests)
+    runs = {"": engine_kwargs(args)}
+    if args.workload == "shared-prefix":  # the same trace with the page cache off, then on
+        runs = {f"caching {'on' if on else 'off'}": {**engine_kwargs(args), "enable_prefix_caching": on}
+                for on in (False, True)}
+    results = {}
+    for label, kwargs in runs.items():
+        engine = LLMEngine(**kwargs)
+        vocab = engine.model_config.vocab_size
+        requests = make_requests(args.workload, cfg, vocab, args.workload_seed)
+        # Warm-up: compile the kernels and touch the weights; then start the counters afresh.
+        run_workload(engine, [BenchRequest(p, 2) for p in make_prompts(2, 40, 40, vocab, 1)], progress=False)
+        engine.metrics = Metrics()
+        engine.scheduler.reset_counters()
+        if engine.block_manager.cache is not None:
+            engine.block_manager.cache.queries = engine.block_manager.cache.hits = 0
+        results[label] = run_workload(engine, requests)
+    if len(results) > 1:
+        report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs(args), "results": results}
+        _print_table(args.workload, cfg, results)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+        return 0
+    result = results[""]
     prompts = [r.prompt for r in requests]
     report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs(args), "result": result}
     if args.peer:
