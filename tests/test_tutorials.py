@@ -6,6 +6,7 @@ lesson's main points were actually printed.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,17 @@ def test_05_swapping_and_chunked_prefill():
     assert "its first token came at step" in out
     assert "tokens without chunking, 16 with" in out
     assert "outputs with and without chunking identical: True" in out
+
+
+@pytest.mark.slow
+def test_06_sharing_memory():
+    out = run_tutorial("06_sharing_memory.py")
+    # three tables mapping the same blocks, and the prompt computed once
+    assert re.search(r"ref counts \[3(, 3)*\]; prompt tokens computed: (\d+), not 3 x \2\n", out)
+    assert "copy-on-write plan blocks_to_copy [(" in out
+    assert out.count("== n=1 with seed derive_seed(") == 3 and ": False" not in out
+    assert "forked {" in out and "pruned [" in out
+    assert "the same 4 ranked beams as LLM.beam_search: True" in out
+    assert "found in the cache" in out and "blocks revived from the LRU" in out
+    assert "outputs identical with caching off: True" in out
+    assert "kv_blocks_peak  unshared_peak" in out
