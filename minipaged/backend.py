@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from types import ModuleType
 
 import numpy as np
 
@@ -19,11 +18,11 @@ logger = logging.getLogger("minipaged")
 @dataclass(frozen=True)
 class Backend:
     device: str        # "cpu" or "cuda"
-    ops: ModuleType    # kernels.cpu (later kernels.cuda): xp, rms_norm, rotary, ..., paged_attention
+    ops: object        # kernels.cpu (a module) or kernels.cuda.CudaOps: xp, rms_norm, ..., paged_attention
     dtype: np.dtype    # weights and KV cache
 
     @property
-    def xp(self) -> ModuleType:
+    def xp(self):
         return self.ops.xp
 
 
@@ -37,16 +36,18 @@ def cuda_available() -> bool:
 
 
 def select_backend(device: str, dtype: str) -> Backend:
+    """CUDA when asked for (or, with "auto", when CuPy sees a GPU), else the CPU."""
+    if device in ("cuda", "auto") and cuda_available():
+        if dtype == "bfloat16":
+            raise ValueError("dtype='bfloat16' has no CUDA kernels yet; use 'float16' (default) or 'float32'")
+        from .kernels.cuda import gpu_ops  # noqa: PLC0415 (needs CuPy; compiles the .cu files once)
+
+        return Backend("cuda", gpu_ops(), np.dtype(np.float32 if dtype == "float32" else np.float16))
     if device == "cuda":
-        if not cuda_available():
-            raise ValueError("device='cuda' was requested but no CUDA GPU is visible "
-                             "(CuPy is not installed or sees no device); use device='cpu' or 'auto'")
-        raise NotImplementedError("the CUDA backend is not built yet; use device='cpu'")
+        raise ValueError("device='cuda' was requested but no CUDA GPU is visible "
+                         "(CuPy is not installed or sees no device); use device='cpu' or 'auto'")
     if device == "auto":
-        if cuda_available():
-            logger.info("a CUDA GPU is visible but the CUDA backend is not built yet; running on the CPU")
-        else:
-            logger.info("no CUDA GPU found; running on the CPU")
+        logger.info("no CUDA GPU found; running on the CPU")
     if dtype not in ("auto", "float32"):
         raise ValueError(f"dtype={dtype!r} is not supported on the CPU; use 'float32' or 'auto'")
     from .kernels import cpu  # noqa: PLC0415 (compiles Numba kernels on first use)

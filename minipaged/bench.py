@@ -164,7 +164,8 @@ def run_workload(engine, requests: list[BenchRequest], progress: bool = True) ->
     }
 
 
-def run_peer(peer: str, model_dir: str, prompts: list[list[int]], output_len: int) -> dict:
+def run_peer(peer: str, model_dir: str, prompts: list[list[int]], output_len: int,
+             device: str = "cpu", dtype: str = "float32") -> dict:
     """Run a peer on the same prompts in a child process (its threads never meet ours)."""
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
@@ -172,7 +173,8 @@ def run_peer(peer: str, model_dir: str, prompts: list[list[int]], output_len: in
     import numba  # noqa: PLC0415
 
     cmd = [sys.executable, "-m", "minipaged.bench_peers", peer, "--model-dir", model_dir,
-           "--output-len", str(output_len), "--threads", str(numba.get_num_threads())]
+           "--output-len", str(output_len), "--threads", str(numba.get_num_threads()),
+           "--device", device, "--dtype", dtype]
     from . import THREAD_ENV  # noqa: PLC0415
 
     # The peer gets the environment the user gave us, not our thread settings

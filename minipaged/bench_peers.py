@@ -13,13 +13,14 @@ import sys
 import time
 
 
-def hf_generate(model_dir: str, prompts: list[list[int]], output_len: int, threads: int) -> dict:
+def hf_generate(model_dir: str, prompts: list[list[int]], output_len: int, threads: int,
+                device: str = "cpu", dtype: str = "float32") -> dict:
     """One padded batch of all prompts (left padding, contiguous cache), greedy, EOS ignored."""
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -27,18 +28,23 @@ def hf_generate(model_dir: str, prompts: list[list[int]], output_len: int, threa
     for row, p in enumerate(prompts):
         ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
     kwargs = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=pad)
     with torch.inference_mode():
         model.generate(input_ids=ids[:1, -8:], attention_mask=mask[:1, -8:], **{**kwargs, "max_new_tokens": 2,
                                                                                  "min_new_tokens": 2})
+        if device == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
     generated = (out.shape[1] - width) * len(prompts)
     return {"peer": "hf-transformers", "elapsed_s": elapsed, "generated_tokens": generated,
             "generation_tok_s": generated / elapsed,
             "total_tok_s": (sum(len(p) for p in prompts) + generated) / elapsed,
-            "torch": torch.__version__, "threads": threads}
+            "torch": torch.__version__, "threads": threads, "device": device, "dtype": dtype}
 
 
 def main() -> int:
@@ -47,9 +53,11 @@ def main() -> int:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--output-len", type=int, required=True)
     p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
     args = p.parse_args()
     prompts = json.loads(sys.stdin.read())
-    print(json.dumps(hf_generate(args.model_dir, prompts, args.output_len, args.threads)))
+    print(json.dumps(hf_generate(args.model_dir, prompts, args.output_len, args.threads, args.device, args.dtype)))
     return 0
 
 

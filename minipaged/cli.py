@@ -53,6 +53,8 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
                    help="split long prompts into chunks that share steps with running decodes")
     g.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps run per scheduling decision (multi-step scheduling)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="GPU: share of the device's memory for weights, activations and the KV cache")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
 
 
@@ -65,7 +67,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 num_scheduler_steps=args.num_scheduler_steps, seed=args.seed,
                 log_stats_interval=args.log_stats_interval,
-                enable_prefix_caching=args.enable_prefix_caching)
+                enable_prefix_caching=args.enable_prefix_caching,
+                gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float,

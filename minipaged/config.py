@@ -31,6 +31,7 @@ class CacheConfig:
     kv_cache_space: float | None = None  # pool size in GiB (CPU); None: 4 GiB, as vLLM's CPU backend
     swap_space: float = 4.0              # GiB of CPU memory for blocks swapped out (vLLM's default)
     watermark: float = 0.01              # fraction of the pool kept free when admitting
+    gpu_memory_utilization: float = 0.9  # GPU: share of device memory for weights + activations + KV
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and is_power_of_two(self.block_size)
@@ -44,6 +45,8 @@ class CacheConfig:
                  f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         _require(isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1,
                  f"watermark must be in [0, 1), got {self.watermark!r}")
+        _require(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1,
+                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
 
 PREEMPTION_MODES = ("swap", "recompute", "auto")

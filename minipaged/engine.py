@@ -20,7 +20,7 @@ import numpy as np
 
 from .backend import select_backend
 from .block_manager import BlockManager, blocks_for
-from .cache_engine import CacheEngine
+from .cache_engine import CacheEngine, profile_gpu_num_blocks
 from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .detokenizer import start_offsets
 from .metrics import Metrics
@@ -33,7 +33,7 @@ from .model_runner import ModelRunner, build_model_input
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .beam_search import BeamSearchParams, BeamState, Hypothesis, propose
-from .sampler import Sampler, SampleRequest, log_softmax
+from .sampler import Sampler, SampleRequest, log_softmax, to_host
 from .sampling_params import OutputKind, SamplingParams, derive_seed
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceGroup, SequenceStatus
@@ -61,11 +61,12 @@ class LLMEngine:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  swap_space: float = 4.0, preemption_mode: str = "auto",
                  enable_chunked_prefill: bool = False, num_scheduler_steps: int = 1,
-                 enable_prefix_caching: bool = False,
+                 enable_prefix_caching: bool = False, gpu_memory_utilization: float = 0.9,
                  seed: int = 0, log_stats_interval: float = 0.0) -> None:
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype, seed=seed)
         cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                   kv_cache_space=kv_cache_space, swap_space=swap_space)
+                                   kv_cache_space=kv_cache_space, swap_space=swap_space,
+                                   gpu_memory_utilization=gpu_memory_utilization)
         model_dir = resolve_model(self.config.model)
         self.model_dir = model_dir
         self.model_config = LlamaConfig.from_dir(model_dir)
@@ -85,13 +86,19 @@ class LLMEngine:
         self.backend = select_backend(self.config.device, self.config.dtype)
         self.model = LlamaModel(self.model_config, load_checkpoint(model_dir), self.backend.ops,
                                 self.backend.dtype, max_positions=self.max_model_len)
-        self.cache = CacheEngine(self.model_config, cache_config, self.backend.ops, self.backend.dtype)
+        gpu_blocks = None
+        if self.backend.device == "cuda" and num_blocks is None:
+            gpu_blocks = profile_gpu_num_blocks(self.model, self.model_config, cache_config,
+                                                self.scheduler_config.max_num_batched_tokens,
+                                                self.max_model_len, self.backend.dtype)
+        self.cache = CacheEngine(self.model_config, cache_config, self.backend.ops, self.backend.dtype,
+                                 gpu_num_blocks=gpu_blocks)
         self.block_manager = BlockManager(self.cache.num_blocks, block_size, self.cache.num_cpu_blocks,
                                           watermark=cache_config.watermark,
                                           enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.runner = ModelRunner(self.model)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.backend.xp)
         eos = set(self.tokenizer.stop_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.metrics = Metrics()
@@ -251,7 +258,7 @@ class LLMEngine:
                                   self.output_processor.banned_tokens(item.group, seq))
                     for item, seq in (model_input.sampled[r] for r in sample_rows)]
         results = self.sampler(logits[sample_rows], requests)
-        beam_logprobs = log_softmax(logits[beam_rows].astype(np.float64))  # (beams, vocab); scores add up
+        beam_logprobs = to_host(log_softmax(logits[beam_rows].astype(np.float64), self.backend.xp))  # (beams, vocab)
         # Only now does the step change sequences: if anything above raised (or was
         # interrupted), the same sequences are simply scheduled again next step.
         for item in items:

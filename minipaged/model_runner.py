@@ -71,8 +71,8 @@ class ModelRunner:
         self.model = model
         self.xp = model.ops.xp
 
-    def execute(self, model_input: ModelInput, kv_cache) -> np.ndarray:
-        """Run one step; returns the logits of the sampled rows, (N, vocab) float32 on the host."""
+    def execute(self, model_input: ModelInput, kv_cache):
+        """Run one step; returns the logits of the sampled rows, (N, vocab), on the device."""
         xp = self.xp
         m = model_input.meta
         meta = AttentionMetadata(
@@ -81,4 +81,4 @@ class ModelRunner:
             max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
         logits = self.model.forward(xp.asarray(model_input.input_ids), xp.asarray(model_input.positions),
                                     kv_cache, meta, xp.asarray(model_input.logits_indices))
-        return logits if xp is np else xp.asnumpy(logits)
+        return logits

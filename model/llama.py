@@ -13,7 +13,6 @@ it provides ``xp`` (numpy or cupy), ``rms_norm``, ``rotary``, ``silu_and_mul``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import numpy as np
 
@@ -43,7 +42,7 @@ def _get(tensors: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 class LlamaModel:
-    def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray], ops: ModuleType,
+    def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray], ops,
                  dtype=np.float32, max_positions: int | None = None) -> None:
         self.config = config
         self.ops = ops

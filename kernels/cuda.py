@@ -1,0 +1,190 @@
+"""The GPU kernel namespace: the same ops as ``kernels/cpu.py``, launched from CUDA C sources.
+
+The host-side logic (which kernel, what grid, which partitions) lives in ``CudaOps``
+and is independent of where the kernels run: on a GPU the launchers come from
+``cupy.RawModule`` and arrays are CuPy arrays; in tests the launchers come from the
+CPU harness (``kernels/cuda_harness.py``) and arrays are NumPy arrays, so this very
+code runs in CI. Block copies (copy-on-write, swapping) are Numba CUDA kernels
+(``kernels/block_copy.py``) on the GPU and NumPy slices in the harness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from .layout import AttentionMetadata
+
+KERNEL_DIR = Path(__file__).parent
+SOURCES = ("cache_ops.cu", "paged_attention.cu", "fused.cu")
+
+NUM_WARPS = 4            # must match paged_attention.cu
+QUERY_TILE = 16          # must match paged_attention.cu
+PARTITION_SIZE = 512     # split-K partition, a multiple of every block size (<= 256)
+SPLIT_K_ABOVE = 1024     # contexts longer than this use the split-K decode kernel
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class CudaAttentionPlan:
+    meta: AttentionMetadata
+    decode_only: bool        # every sequence has one query: the decode kernel
+    num_partitions: int      # > 1: split-K decode, merged by the reduce kernel
+    tiles: object            # (W, 2) int64 (sequence, first query row) for the prefill kernel
+
+
+class CudaOps:
+    """Kernel namespace for the model: ``xp``, ``rms_norm``, ``rotary``, ``silu_and_mul``,
+    ``write_kv``, ``plan_attention``, ``paged_attention``, ``swap_blocks``, ``copy_blocks``."""
+
+    def __init__(self, xp, kernels, block_copy=None) -> None:
+        self.xp = xp                 # cupy on a GPU, numpy in the CPU harness
+        self._kernels = kernels      # name -> launcher(grid, block, args)
+        self._block_copy = block_copy
+
+    def _launch(self, name: str, dtype, grid, block, args) -> None:
+        suffix = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}[np.dtype(dtype)]
+        self._kernels[f"{name}_{suffix}"](tuple(grid), tuple(block), args)
+
+    # ------------------------------------------------------------------ KV writes
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
+        """Scatter k, v (T, kv_heads, head_dim) into the caches at slot_mapping (T,)."""
+        num_tokens, num_kv_heads, head_dim = k.shape
+        if num_tokens == 0:
+            return
+        xp = self.xp
+        self._launch("write_kv", k_cache.dtype, (num_tokens,), (128,), [
+            xp.ascontiguousarray(k, dtype=k_cache.dtype), xp.ascontiguousarray(v, dtype=k_cache.dtype),
+            k_cache, v_cache, xp.ascontiguousarray(slot_mapping, dtype=np.int64),
+            np.int32(num_kv_heads), np.int32(head_dim), np.int32(k_cache.shape[2])])
+
+    # ------------------------------------------------------------------ attention
+    def plan_attention(self, meta: AttentionMetadata) -> CudaAttentionPlan:
+        decode_only = meta.max_query_len == 1
+        parts = 1
+        if decode_only and meta.max_seq_len > SPLIT_K_ABOVE:
+            parts = -(-meta.max_seq_len // PARTITION_SIZE)
+        tiles = None
+        if not decode_only:
+            qsl = np.asarray(_to_numpy(meta.query_start_loc), dtype=np.int64)
+            q_lens = np.diff(qsl)
+            counts = -(-q_lens // QUERY_TILE)
+            seq = np.repeat(np.arange(len(q_lens)), counts)
+            first = np.repeat(np.cumsum(counts) - counts, counts)
+            starts = qsl[seq] + (np.arange(len(seq)) - first) * QUERY_TILE
+            tiles = self.xp.asarray(np.stack([seq, starts], axis=1).astype(np.int64))   # (W, 2)
+        return CudaAttentionPlan(meta, decode_only, parts, tiles)
+
+    def paged_attention(self, q, k_cache, v_cache, plan, scale: float):
+        """Causal attention of q (T, heads, head_dim) through block tables -> (T, heads, head_dim)."""
+        if isinstance(plan, AttentionMetadata):
+            plan = self.plan_attention(plan)
+        xp, meta = self.xp, plan.meta
+        num_tokens, num_heads, head_dim = q.shape
+        assert head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} not supported"
+        q = xp.ascontiguousarray(q, dtype=k_cache.dtype)
+        out = xp.empty(q.shape, dtype=k_cache.dtype)
+        num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+        tables = xp.ascontiguousarray(meta.block_tables, dtype=np.int32)
+        seq_lens = xp.ascontiguousarray(meta.seq_lens, dtype=np.int32)
+        common = [np.int32(tables.shape[1]), np.int32(num_kv_heads), np.int32(head_dim), np.int32(block_size)]
+        if plan.decode_only:
+            num_seqs, parts = num_tokens, plan.num_partitions
+            scratch = [xp.empty((num_seqs, num_heads, parts, head_dim), np.float32),
+                       xp.empty((num_seqs, num_heads, parts), np.float32),
+                       xp.empty((num_seqs, num_heads, parts), np.float32)]
+            self._launch("paged_decode", k_cache.dtype, (num_heads, num_seqs, parts), (NUM_WARPS * 32,),
+                         [out, *scratch, q, k_cache, v_cache, tables, seq_lens, *common,
+                          np.int32(PARTITION_SIZE if parts > 1 else max(meta.max_seq_len, 1)),
+                          np.float32(scale)])
+            if parts > 1:
+                self._launch("paged_decode_reduce", k_cache.dtype, (num_heads, num_seqs), (128,),
+                             [out, *scratch, np.int32(parts), np.int32(head_dim)])
+            return out
+        qsl = xp.ascontiguousarray(meta.query_start_loc, dtype=np.int32)
+        self._launch("paged_prefill", k_cache.dtype, (num_heads, plan.tiles.shape[0]), (NUM_WARPS * 32,),
+                     [out, q, k_cache, v_cache, tables, seq_lens, qsl, plan.tiles, *common, np.float32(scale)])
+        return out
+
+    # ------------------------------------------------------------------ fused elementwise
+    def rms_norm(self, x, weight, eps: float):
+        x = self.xp.ascontiguousarray(x)
+        out = self.xp.empty_like(x)
+        self._launch("rms_norm", x.dtype, (x.shape[0],), (128,),
+                     [out, x, self.xp.ascontiguousarray(weight, dtype=x.dtype), np.int32(x.shape[1]),
+                      np.float32(eps)])
+        return out
+
+    def rotary(self, x, positions, cos, sin):
+        out = self.xp.array(x, copy=True, order="C")
+        tokens, heads, head_dim = out.shape
+        n = tokens * heads * head_dim // 2
+        self._launch("rotary", out.dtype, (max(-(-n // 256), 1),), (256,),
+                     [out, self.xp.ascontiguousarray(positions, dtype=np.int64),
+                      self.xp.ascontiguousarray(cos, dtype=np.float32),
+                      self.xp.ascontiguousarray(sin, dtype=np.float32),
+                      np.int32(tokens), np.int32(heads), np.int32(head_dim)])
+        return out
+
+    def silu_and_mul(self, gate_up):
+        gate_up = self.xp.ascontiguousarray(gate_up)
+        tokens, ffn = gate_up.shape[0], gate_up.shape[1] // 2
+        out = self.xp.empty((tokens, ffn), dtype=gate_up.dtype)
+        self._launch("silu_and_mul", gate_up.dtype, (max(-(-tokens * ffn // 256), 1),), (256,),
+                     [out, gate_up, np.int32(tokens), np.int32(ffn)])
+        return out
+
+    # ------------------------------------------------------------------ block copies
+    def swap_blocks(self, src, dst, block_mapping) -> None:
+        if len(block_mapping):
+            self._block_copy.swap_blocks(src, dst, np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2))
+
+    def copy_blocks(self, kv_cache, block_mapping) -> None:
+        self.swap_blocks(kv_cache, kv_cache, block_mapping)
+
+
+def _to_numpy(array):
+    return array.get() if hasattr(array, "get") else array
+
+
+def kernel_sources() -> dict[str, str]:
+    return {name: (KERNEL_DIR / name).read_text() for name in SOURCES}
+
+
+def cpu_harness_ops() -> CudaOps:
+    """CudaOps whose kernels run on the CPU (tests): the same host code, NumPy arrays."""
+    from . import cuda_harness  # noqa: PLC0415
+    from .reference import swap_blocks as numpy_swap  # noqa: PLC0415
+
+    kernels = {}
+    for name in SOURCES:
+        lib = cuda_harness.load(KERNEL_DIR / name)
+        for kernel in lib.signatures:
+            kernels[kernel] = getattr(lib, kernel)
+
+    class NumpyCopy:
+        @staticmethod
+        def swap_blocks(src, dst, mapping):
+            numpy_swap(src, dst, mapping)
+
+    return CudaOps(np, kernels, NumpyCopy())
+
+
+@lru_cache(maxsize=None)
+def gpu_ops() -> CudaOps:
+    """CudaOps on the current GPU: every .cu file compiled once per process by NVRTC via CuPy."""
+    import cupy  # noqa: PLC0415
+
+    from . import block_copy  # noqa: PLC0415
+
+    kernels = {}
+    for name, source in kernel_sources().items():
+        module = cupy.RawModule(code=source, options=("-std=c++17", f"-I{KERNEL_DIR}"))
+        from .cuda_harness import kernel_signatures  # noqa: PLC0415
+
+        for kernel in kernel_signatures(source):
+            kernels[kernel] = module.get_function(kernel)
+    return CudaOps(cupy, kernels, block_copy)

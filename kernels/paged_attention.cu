@@ -1,0 +1,299 @@
+// Paged attention on the GPU (spec: kernels/reference.py paged_attention).
+//
+// Caches, per layer: (num_blocks, num_kv_heads, block_size, head_dim); block_tables (S, max_blocks).
+// Three kernels:
+//   paged_decode_*   one query per sequence. grid = (num_heads, num_seqs, num_partitions),
+//                    block = NUM_WARPS * 32 threads. Warps take the KV blocks of the partition
+//                    in turn (warp w: blocks w, w + NUM_WARPS, ...) and keep an online softmax;
+//                    the warps then merge through shared memory. With one partition the result
+//                    is final; with several (split-K, for long contexts) each writes a partial
+//                    result that paged_decode_reduce merges.
+//   paged_decode_reduce_*  grid = (num_heads, num_seqs), block = 128.
+//   paged_prefill_*  a flattened batch of query tokens (prompts, chunks, prefix hits).
+//                    grid = (num_heads, num_tiles), block = NUM_WARPS * 32. A tile is up to
+//                    QUERY_TILE queries of one sequence; the block loads each KV block into
+//                    shared memory once, in sub-tiles, and every warp reuses it for its queries.
+// Requirements: head_dim even and <= MAX_HEAD_DIM; block_size a power of two; the partition
+// size a multiple of block_size.
+#include "common.cuh"
+
+#define NUM_WARPS 4
+#define QUERY_TILE 16                              // queries per prefill thread block
+#define QUERIES_PER_WARP (QUERY_TILE / NUM_WARPS)
+#define KV_SUBTILE 16                              // KV positions staged in shared memory at once
+
+// ------------------------------------------------------------------------------ decode
+
+template <typename T>
+__device__ void paged_decode(T* __restrict__ out, float* __restrict__ part_out,
+                             float* __restrict__ part_max, float* __restrict__ part_sum,
+                             const T* __restrict__ q, const T* __restrict__ k_cache,
+                             const T* __restrict__ v_cache, const int* __restrict__ block_tables,
+                             const int* __restrict__ seq_lens, int max_blocks, int num_kv_heads,
+                             int head_dim, int block_size, int partition_size, float scale) {
+    const int head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
+    const int num_heads = gridDim.x, num_parts = gridDim.z;
+    const int kv_head = head / (num_heads / num_kv_heads);   // GQA: heads share a KV head
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int seq_len = seq_lens[seq];
+    const int start = part * partition_size;
+    const int end = min(seq_len, start + partition_size);
+
+    // This lane's dims of the (scaled) query and of the running output.
+    float qv[2 * MAX_PAIRS], acc[2 * MAX_PAIRS];
+    const T* q_row = q + ((long long)seq * num_heads + head) * head_dim;
+    for (int i = 0; i < MAX_PAIRS; ++i) {
+        const int d = 64 * i + 2 * lane;
+        float2 x = d < head_dim ? load2(q_row + d) : make_float2(0.f, 0.f);
+        qv[2 * i] = x.x * scale;
+        qv[2 * i + 1] = x.y * scale;
+        acc[2 * i] = acc[2 * i + 1] = 0.f;
+    }
+    float m = -INFINITY, l = 0.f;  // online softmax: running max and running sum of exp
+    const int* table = block_tables + (long long)seq * max_blocks;
+    for (int b = start / block_size + warp; b * block_size < end; b += NUM_WARPS) {
+        const long long base = ((long long)table[b] * num_kv_heads + kv_head) * block_size * head_dim;
+        const int first = b * block_size;
+        const int last = min(end, first + block_size);
+        for (int pos = first; pos < last; ++pos) {
+            const T* k_row = k_cache + base + (long long)(pos - first) * head_dim;
+            float s = 0.f;
+            for (int i = 0; i < MAX_PAIRS; ++i) {
+                const int d = 64 * i + 2 * lane;
+                if (d < head_dim) {
+                    float2 kk = load2(k_row + d);
+                    s += qv[2 * i] * kk.x + qv[2 * i + 1] * kk.y;
+                }
+            }
+            s = warp_sum(s);  // every lane now holds q . k
+            const float m_new = fmaxf(m, s);
+            const float correction = __expf(m - m_new), p = __expf(s - m_new);
+            l = l * correction + p;
+            const T* v_row = v_cache + base + (long long)(pos - first) * head_dim;
+            for (int i = 0; i < MAX_PAIRS; ++i) {
+                const int d = 64 * i + 2 * lane;
+                if (d < head_dim) {
+                    float2 vv = load2(v_row + d);
+                    acc[2 * i] = acc[2 * i] * correction + p * vv.x;
+                    acc[2 * i + 1] = acc[2 * i + 1] * correction + p * vv.y;
+                }
+            }
+            m = m_new;
+        }
+    }
+
+    // Merge the warps: out = sum_w acc_w e^(m_w - M) / sum_w l_w e^(m_w - M).
+    __shared__ float s_max[NUM_WARPS], s_sum[NUM_WARPS];
+    __shared__ float s_acc[NUM_WARPS][MAX_HEAD_DIM];
+    if (lane == 0) {
+        s_max[warp] = m;
+        s_sum[warp] = l;
+    }
+    for (int i = 0; i < MAX_PAIRS; ++i) {
+        const int d = 64 * i + 2 * lane;
+        if (d < head_dim) {
+            s_acc[warp][d] = acc[2 * i];
+            s_acc[warp][d + 1] = acc[2 * i + 1];
+        }
+    }
+    __syncthreads();
+    float big = -INFINITY;
+    for (int w = 0; w < NUM_WARPS; ++w) big = fmaxf(big, s_max[w]);
+    float total = 0.f;
+    float weight[NUM_WARPS];
+    for (int w = 0; w < NUM_WARPS; ++w) {
+        weight[w] = s_max[w] == -INFINITY ? 0.f : __expf(s_max[w] - big);
+        total += s_sum[w] * weight[w];
+    }
+    const long long row = (long long)seq * num_heads + head;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.f;
+        for (int w = 0; w < NUM_WARPS; ++w) o += s_acc[w][d] * weight[w];
+        o = total > 0.f ? o / total : 0.f;   // an empty partition (past the end) contributes 0
+        if (num_parts == 1) {
+            store(out + row * head_dim + d, o);
+        } else {
+            part_out[(row * num_parts + part) * head_dim + d] = o;
+        }
+    }
+    if (num_parts > 1 && threadIdx.x == 0) {
+        part_max[row * num_parts + part] = big;
+        part_sum[row * num_parts + part] = total;
+    }
+}
+
+template <typename T>
+__device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict__ part_out,
+                                    const float* __restrict__ part_max,
+                                    const float* __restrict__ part_sum, int num_parts, int head_dim) {
+    const long long row = (long long)blockIdx.y * gridDim.x + blockIdx.x;  // (seq, head)
+    float big = -INFINITY;
+    for (int p = 0; p < num_parts; ++p) big = fmaxf(big, part_max[row * num_parts + p]);
+    float total = 0.f;
+    for (int p = 0; p < num_parts; ++p) {
+        const float mp = part_max[row * num_parts + p];
+        total += mp == -INFINITY ? 0.f : part_sum[row * num_parts + p] * __expf(mp - big);
+    }
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.f;
+        for (int p = 0; p < num_parts; ++p) {
+            const float mp = part_max[row * num_parts + p];
+            if (mp != -INFINITY)
+                o += part_out[(row * num_parts + p) * head_dim + d] * part_sum[row * num_parts + p] *
+                     __expf(mp - big);
+        }
+        store(out + row * head_dim + d, o / total);
+    }
+}
+
+// ------------------------------------------------------------------------------ prefill
+
+template <typename T>
+__device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k_cache,
+                              const T* __restrict__ v_cache, const int* __restrict__ block_tables,
+                              const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
+                              const long long* __restrict__ tiles, int max_blocks, int num_kv_heads,
+                              int head_dim, int block_size, float scale) {
+    const int head = blockIdx.x, num_heads = gridDim.x;
+    const int kv_head = head / (num_heads / num_kv_heads);
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int seq = (int)tiles[2 * blockIdx.y], t0 = (int)tiles[2 * blockIdx.y + 1];
+    const int seq_start = query_start_loc[seq], seq_end = query_start_loc[seq + 1];
+    const int t1 = min(t0 + QUERY_TILE, seq_end);
+    const int first_pos = seq_lens[seq] - (seq_end - seq_start) + (t0 - seq_start);
+    const int last_pos = first_pos + (t1 - t0) - 1;
+
+    // Warp w owns queries t0 + w, t0 + w + NUM_WARPS, ... of the tile.
+    float qv[QUERIES_PER_WARP][2 * MAX_PAIRS], acc[QUERIES_PER_WARP][2 * MAX_PAIRS];
+    float m[QUERIES_PER_WARP], l[QUERIES_PER_WARP];
+    for (int j = 0; j < QUERIES_PER_WARP; ++j) {
+        const int t = t0 + warp + j * NUM_WARPS;
+        for (int i = 0; i < MAX_PAIRS; ++i) {
+            const int d = 64 * i + 2 * lane;
+            float2 x = (t < t1 && d < head_dim) ? load2(q + ((long long)t * num_heads + head) * head_dim + d)
+                                                : make_float2(0.f, 0.f);
+            qv[j][2 * i] = x.x * scale;
+            qv[j][2 * i + 1] = x.y * scale;
+            acc[j][2 * i] = acc[j][2 * i + 1] = 0.f;
+        }
+        m[j] = -INFINITY;
+        l[j] = 0.f;
+    }
+
+    __shared__ float s_k[KV_SUBTILE][MAX_HEAD_DIM], s_v[KV_SUBTILE][MAX_HEAD_DIM];
+    const int* table = block_tables + (long long)seq * max_blocks;
+    for (int sub = 0; sub <= last_pos; sub += KV_SUBTILE) {
+        // Stage positions sub .. sub + KV_SUBTILE - 1 (through the block table) for all warps.
+        const int count = min(KV_SUBTILE, last_pos + 1 - sub);
+        for (int i = threadIdx.x; i < count * head_dim; i += blockDim.x) {
+            const int pos = sub + i / head_dim, d = i % head_dim;
+            const long long idx = (((long long)table[pos / block_size] * num_kv_heads + kv_head) * block_size
+                                   + pos % block_size) * head_dim + d;
+            s_k[i / head_dim][d] = to_float(k_cache[idx]);
+            s_v[i / head_dim][d] = to_float(v_cache[idx]);
+        }
+        __syncthreads();
+        for (int j = 0; j < QUERIES_PER_WARP; ++j) {
+            const int t = t0 + warp + j * NUM_WARPS;
+            const int qpos = first_pos + (t - t0);
+            if (t >= t1) continue;                          // warp-uniform: whole warp skips
+            const int visible = min(count, qpos - sub + 1);  // causal: positions <= qpos
+            for (int o = 0; o < visible; ++o) {
+                float s = 0.f;
+                for (int i = 0; i < MAX_PAIRS; ++i) {
+                    const int d = 64 * i + 2 * lane;
+                    if (d < head_dim) s += qv[j][2 * i] * s_k[o][d] + qv[j][2 * i + 1] * s_k[o][d + 1];
+                }
+                s = warp_sum(s);
+                const float m_new = fmaxf(m[j], s);
+                const float correction = __expf(m[j] - m_new), p = __expf(s - m_new);
+                l[j] = l[j] * correction + p;
+                for (int i = 0; i < MAX_PAIRS; ++i) {
+                    const int d = 64 * i + 2 * lane;
+                    if (d < head_dim) {
+                        acc[j][2 * i] = acc[j][2 * i] * correction + p * s_v[o][d];
+                        acc[j][2 * i + 1] = acc[j][2 * i + 1] * correction + p * s_v[o][d + 1];
+                    }
+                }
+                m[j] = m_new;
+            }
+        }
+        __syncthreads();  // before the next sub-tile overwrites shared memory
+    }
+    for (int j = 0; j < QUERIES_PER_WARP; ++j) {
+        const int t = t0 + warp + j * NUM_WARPS;
+        if (t >= t1) continue;
+        T* o_row = out + ((long long)t * num_heads + head) * head_dim;
+        for (int i = 0; i < MAX_PAIRS; ++i) {
+            const int d = 64 * i + 2 * lane;
+            if (d < head_dim) {
+                store(o_row + d, acc[j][2 * i] / l[j]);
+                store(o_row + d + 1, acc[j][2 * i + 1] / l[j]);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------ entry points
+
+extern "C" __global__ void paged_decode_f32(float* __restrict__ out, float* __restrict__ part_out,
+                                            float* __restrict__ part_max, float* __restrict__ part_sum,
+                                            const float* __restrict__ q, const float* __restrict__ k_cache,
+                                            const float* __restrict__ v_cache,
+                                            const int* __restrict__ block_tables,
+                                            const int* __restrict__ seq_lens, int max_blocks,
+                                            int num_kv_heads, int head_dim, int block_size,
+                                            int partition_size, float scale) {
+    paged_decode<float>(out, part_out, part_max, part_sum, q, k_cache, v_cache, block_tables, seq_lens,
+                        max_blocks, num_kv_heads, head_dim, block_size, partition_size, scale);
+}
+
+extern "C" __global__ void paged_decode_f16(__half* __restrict__ out, float* __restrict__ part_out,
+                                            float* __restrict__ part_max, float* __restrict__ part_sum,
+                                            const __half* __restrict__ q, const __half* __restrict__ k_cache,
+                                            const __half* __restrict__ v_cache,
+                                            const int* __restrict__ block_tables,
+                                            const int* __restrict__ seq_lens, int max_blocks,
+                                            int num_kv_heads, int head_dim, int block_size,
+                                            int partition_size, float scale) {
+    paged_decode<__half>(out, part_out, part_max, part_sum, q, k_cache, v_cache, block_tables, seq_lens,
+                         max_blocks, num_kv_heads, head_dim, block_size, partition_size, scale);
+}
+
+extern "C" __global__ void paged_decode_reduce_f32(float* __restrict__ out, const float* __restrict__ part_out,
+                                                   const float* __restrict__ part_max,
+                                                   const float* __restrict__ part_sum, int num_parts,
+                                                   int head_dim) {
+    paged_decode_reduce<float>(out, part_out, part_max, part_sum, num_parts, head_dim);
+}
+
+extern "C" __global__ void paged_decode_reduce_f16(__half* __restrict__ out, const float* __restrict__ part_out,
+                                                   const float* __restrict__ part_max,
+                                                   const float* __restrict__ part_sum, int num_parts,
+                                                   int head_dim) {
+    paged_decode_reduce<__half>(out, part_out, part_max, part_sum, num_parts, head_dim);
+}
+
+extern "C" __global__ void paged_prefill_f32(float* __restrict__ out, const float* __restrict__ q,
+                                             const float* __restrict__ k_cache,
+                                             const float* __restrict__ v_cache,
+                                             const int* __restrict__ block_tables,
+                                             const int* __restrict__ seq_lens,
+                                             const int* __restrict__ query_start_loc,
+                                             const long long* __restrict__ tiles, int max_blocks,
+                                             int num_kv_heads, int head_dim, int block_size, float scale) {
+    paged_prefill<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tiles,
+                         max_blocks, num_kv_heads, head_dim, block_size, scale);
+}
+
+extern "C" __global__ void paged_prefill_f16(__half* __restrict__ out, const __half* __restrict__ q,
+                                             const __half* __restrict__ k_cache,
+                                             const __half* __restrict__ v_cache,
+                                             const int* __restrict__ block_tables,
+                                             const int* __restrict__ seq_lens,
+                                             const int* __restrict__ query_start_loc,
+                                             const long long* __restrict__ tiles, int max_blocks,
+                                             int num_kv_heads, int head_dim, int block_size, float scale) {
+    paged_prefill<__half>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tiles,
+                          max_blocks, num_kv_heads, head_dim, block_size, scale);
+}
