@@ -46,6 +46,9 @@ class CudaOps:
         self._block_copy = block_copy
 
     def _launch(self, name: str, dtype, grid, block, args) -> None:
+        # CuPy launches one block for a zero grid dimension (and a 0-size array's pointer is
+        # NULL): callers skip empty work instead.
+        assert min(grid) >= 1, f"{name}: empty grid {grid}"
         suffix = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}[np.dtype(dtype)]
         self._kernels[f"{name}_{suffix}"](tuple(grid), tuple(block), args)
 
@@ -105,7 +108,7 @@ class CudaOps:
                              [out, *scratch, np.int32(parts), np.int32(head_dim)])
             return out
         qsl = xp.ascontiguousarray(meta.query_start_loc, dtype=np.int32)
-        self._launch("paged_prefill", k_cache.dtype, (num_heads, plan.tiles.shape[0]), (NUM_WARPS * 32,),
+        self._launch("paged_prefill", k_cache.dtype, (plan.tiles.shape[0], num_heads), (NUM_WARPS * 32,),
                      [out, q, k_cache, v_cache, tables, seq_lens, qsl, plan.tiles, *common, np.float32(scale)])
         return out
 
@@ -113,6 +116,8 @@ class CudaOps:
     def rms_norm(self, x, weight, eps: float):
         x = self.xp.ascontiguousarray(x)
         out = self.xp.empty_like(x)
+        if x.shape[0] == 0:
+            return out
         self._launch("rms_norm", x.dtype, (x.shape[0],), (128,),
                      [out, x, self.xp.ascontiguousarray(weight, dtype=x.dtype), np.int32(x.shape[1]),
                       np.float32(eps)])
@@ -122,7 +127,9 @@ class CudaOps:
         out = self.xp.array(x, copy=True, order="C")
         tokens, heads, head_dim = out.shape
         n = tokens * heads * head_dim // 2
-        self._launch("rotary", out.dtype, (max(-(-n // 256), 1),), (256,),
+        if n == 0:
+            return out
+        self._launch("rotary", out.dtype, (-(-n // 256),), (256,),
                      [out, self.xp.ascontiguousarray(positions, dtype=np.int64),
                       self.xp.ascontiguousarray(cos, dtype=np.float32),
                       self.xp.ascontiguousarray(sin, dtype=np.float32),
@@ -133,7 +140,9 @@ class CudaOps:
         gate_up = self.xp.ascontiguousarray(gate_up)
         tokens, ffn = gate_up.shape[0], gate_up.shape[1] // 2
         out = self.xp.empty((tokens, ffn), dtype=gate_up.dtype)
-        self._launch("silu_and_mul", gate_up.dtype, (max(-(-tokens * ffn // 256), 1),), (256,),
+        if tokens * ffn == 0:
+            return out
+        self._launch("silu_and_mul", gate_up.dtype, (-(-tokens * ffn // 256),), (256,),
                      [out, gate_up, np.int32(tokens), np.int32(ffn)])
         return out
 
@@ -180,11 +189,29 @@ def gpu_ops() -> CudaOps:
 
     from . import block_copy  # noqa: PLC0415
 
-    kernels = {}
-    for name, source in kernel_sources().items():
-        module = cupy.RawModule(code=source, options=("-std=c++17", f"-I{KERNEL_DIR}"))
-        from .cuda_harness import kernel_signatures  # noqa: PLC0415
+    from .cuda_harness import kernel_signatures  # noqa: PLC0415
 
+    # The shared header is pasted in: CuPy's compile cache is keyed by the source text, so
+    # an edited header must change it.
+    common = (KERNEL_DIR / "common.cuh").read_text()
+    options = ("-std=c++17", *(f"-I{d}" for d in cuda_include_dirs()))
+    kernels = {}
+    for source in kernel_sources().values():
+        module = cupy.RawModule(code=source.replace('#include "common.cuh"', common), options=options)
         for kernel in kernel_signatures(source):
             kernels[kernel] = module.get_function(kernel)
     return CudaOps(cupy, kernels, block_copy)
+
+
+def cuda_include_dirs() -> list[str]:
+    """Where cuda_fp16.h and the vector types it includes may be (CuPy no longer bundles them)."""
+    import os  # noqa: PLC0415
+
+    dirs = [os.path.join(root, "include") for root in (os.environ.get("CUDA_PATH"), "/usr/local/cuda") if root]
+    try:
+        import nvidia.cuda_runtime  # noqa: PLC0415 (the pip wheel's headers)
+
+        dirs += [os.path.join(list(nvidia.cuda_runtime.__path__)[0], "include")]
+    except ImportError:
+        pass
+    return [d for d in dirs if os.path.exists(os.path.join(d, "cuda_fp16.h"))]

@@ -28,6 +28,10 @@ KERNEL_DIR = Path(__file__).parent
 SHIM = KERNEL_DIR / "cuda_cpu_shim.h"
 _SCALARS = {"int": ctypes.c_int, "float": ctypes.c_float, "long long": ctypes.c_longlong,
             "unsigned": ctypes.c_uint}
+# CuPy passes a Python float as a double and a Python int as a 64-bit int: a kernel's
+# float or int parameter would then read garbage on a GPU. The harness insists on the
+# numpy scalar type CuPy needs, so a wrong call fails here, in CI, not there.
+_NUMPY_SCALARS = {"int": np.int32, "float": np.float32, "long long": np.int64, "unsigned": np.uint32}
 _SIGNATURE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', re.S)
 
 
@@ -70,6 +74,7 @@ class CpuKernels:
 
         def run(grid, block, args):
             grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+            assert min(grid) >= 1, f"{name}: a grid dimension is 0 (CuPy would run one block)"
             assert len(args) == len(self.signatures[name]), f"{name} takes {len(self.signatures[name])} args"
             holders = []
             for value, ctype in zip(args, self.signatures[name]):
@@ -78,6 +83,9 @@ class CpuKernels:
                         f"{name}: pointer arguments are C-contiguous numpy arrays")
                     holders.append(ctypes.c_void_p(value.ctypes.data))
                 else:
+                    assert type(value) is _NUMPY_SCALARS[ctype], (
+                        f"{name}: pass a {_NUMPY_SCALARS[ctype].__name__} for a {ctype} parameter, "
+                        f"not {type(value).__name__}")
                     holders.append(_SCALARS[ctype](value))
             pointers = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
             launch(*[ctypes.c_uint(v) for v in grid + block], pointers)

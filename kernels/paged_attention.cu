@@ -10,7 +10,7 @@
 //                    result that paged_decode_reduce merges.
 //   paged_decode_reduce_*  grid = (num_heads, num_seqs), block = 128.
 //   paged_prefill_*  a flattened batch of query tokens (prompts, chunks, prefix hits).
-//                    grid = (num_heads, num_tiles), block = NUM_WARPS * 32. A tile is up to
+//                    grid = (num_tiles, num_heads), block = NUM_WARPS * 32. A tile is up to
 //                    QUERY_TILE queries of one sequence; the block loads each KV block into
 //                    shared memory once, in sub-tiles, and every warp reuses it for its queries.
 // Requirements: head_dim even and <= MAX_HEAD_DIM; block_size a power of two; the partition
@@ -154,10 +154,11 @@ __device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, cons
                               const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
                               const long long* __restrict__ tiles, int max_blocks, int num_kv_heads,
                               int head_dim, int block_size, float scale) {
-    const int head = blockIdx.x, num_heads = gridDim.x;
+    // tiles on x (up to 2^31 - 1 of them), heads on y
+    const int head = blockIdx.y, num_heads = gridDim.y;
     const int kv_head = head / (num_heads / num_kv_heads);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int seq = (int)tiles[2 * blockIdx.y], t0 = (int)tiles[2 * blockIdx.y + 1];
+    const int seq = (int)tiles[2 * blockIdx.x], t0 = (int)tiles[2 * blockIdx.x + 1];
     const int seq_start = query_start_loc[seq], seq_end = query_start_loc[seq + 1];
     const int t1 = min(t0 + QUERY_TILE, seq_end);
     const int first_pos = seq_lens[seq] - (seq_end - seq_start) + (t0 - seq_start);
@@ -202,7 +203,10 @@ __device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, cons
                 float s = 0.f;
                 for (int i = 0; i < MAX_PAIRS; ++i) {
                     const int d = 64 * i + 2 * lane;
-                    if (d < head_dim) s += qv[j][2 * i] * s_k[o][d] + qv[j][2 * i + 1] * s_k[o][d + 1];
+                    if (d < head_dim) {  // one 8-byte read: no bank conflict between lanes l and l + 16
+                        const float2 kk = *reinterpret_cast<const float2*>(&s_k[o][d]);
+                        s += qv[j][2 * i] * kk.x + qv[j][2 * i + 1] * kk.y;
+                    }
                 }
                 s = warp_sum(s);
                 const float m_new = fmaxf(m[j], s);
@@ -211,8 +215,9 @@ __device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, cons
                 for (int i = 0; i < MAX_PAIRS; ++i) {
                     const int d = 64 * i + 2 * lane;
                     if (d < head_dim) {
-                        acc[j][2 * i] = acc[j][2 * i] * correction + p * s_v[o][d];
-                        acc[j][2 * i + 1] = acc[j][2 * i + 1] * correction + p * s_v[o][d + 1];
+                        const float2 vv = *reinterpret_cast<const float2*>(&s_v[o][d]);
+                        acc[j][2 * i] = acc[j][2 * i] * correction + p * vv.x;
+                        acc[j][2 * i + 1] = acc[j][2 * i + 1] * correction + p * vv.y;
                     }
                 }
                 m[j] = m_new;

@@ -48,7 +48,8 @@ class CacheEngine:
             self.kv_cache = xp.zeros(shape(self.num_blocks), dtype=dtype)   # the device pool
             # the swap space is host memory whatever the device; on a GPU it is pinned and
             # mapped, so the block-copy kernel reads and writes it directly over PCIe
-            self.cpu_cache = (np.zeros(shape(self.num_cpu_blocks), dtype=dtype) if xp is np
+            self.cpu_cache = (np.zeros(shape(self.num_cpu_blocks), dtype=dtype)
+                              if xp is np or self.num_cpu_blocks == 0
                               else _pinned(shape(self.num_cpu_blocks), dtype))
         except MemoryError:
             raise ValueError(f"could not allocate a KV pool of {self.num_blocks} blocks "
@@ -92,6 +93,7 @@ def profile_gpu_num_blocks(model, model_config, cache_config: CacheConfig, max_n
 
     c = model_config
     pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()          # count only what the weights and this pass hold
     bytes_per_block = kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, cache_config.block_size,
                                          c.head_dim, np.dtype(dtype).itemsize)
     lengths = []                                           # sequences filling the token budget

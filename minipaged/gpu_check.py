@@ -177,6 +177,21 @@ def elementwise_report(dev: Device, smoke: bool) -> list[dict]:
     moved = 2 * len(pairs) * before[:, :, 0].nbytes
     rows.append({"kernel": "copy_blocks (Numba CUDA)", "blocks": int(len(pairs)), "bit_exact": exact,
                  "seconds": seconds, "gb_per_s": moved / seconds / 1e9})
+    # swapping: device -> pinned host pool -> other device blocks, bit for bit
+    from .cache_engine import _pinned
+
+    host = np.zeros((layers, 2, blocks, 3, 16, 64), np.float16) if smoke else _pinned((layers, 2, blocks, 3, 16, 64), np.float16)
+    out_pairs = np.stack([np.arange(blocks // 2), np.arange(blocks // 2)], axis=1)
+    snapshot = dev.asnumpy(pool)
+    seconds_out = dev.time(lambda: ops.swap_blocks(pool, host, out_pairs), repeats=3 if smoke else 10)
+    back_pairs = np.stack([np.arange(blocks // 2), np.arange(blocks // 2, blocks)], axis=1)
+    ops.swap_blocks(host, pool, back_pairs)
+    if not smoke:
+        dev.xp.cuda.Device().synchronize()
+    exact = bool((dev.asnumpy(pool)[:, :, back_pairs[:, 1]] == snapshot[:, :, out_pairs[:, 0]]).all())
+    rows.append({"kernel": "swap_blocks to pinned host (Numba CUDA)", "blocks": int(len(out_pairs)),
+                 "bit_exact": exact, "seconds": seconds_out,
+                 "gb_per_s": len(out_pairs) * snapshot[:, :, 0].nbytes / seconds_out / 1e9})
     return rows
 
 
@@ -206,7 +221,7 @@ def end_to_end(dev: Device, smoke: bool, out: dict) -> None:
         out["end_to_end"]["hf_transformers"] = run_peer(
             "hf", str(model_dir), [r.prompt for r in requests], cfg["output_len"], device="cuda", dtype="float16")
     engine = LLMEngine(str(model_dir), device=device, dtype="float32" if smoke else "float16",
-                       kv_cache_space=1.0 if smoke else None, swap_space=0.5)
+                       kv_cache_space=1.0 if smoke else None, swap_space=0.5, log_stats_interval=0)
     run_workload(engine, make_requests("throughput", {**cfg, "num_prompts": 2, "output_len": 2}, shapes["vocab_size"], 1),
                  progress=False)
     engine.metrics = Metrics()
@@ -215,13 +230,17 @@ def end_to_end(dev: Device, smoke: bool, out: dict) -> None:
     if not smoke:
         out["end_to_end"]["speedup_vs_hf"] = result["generation_tok_s"] / out["end_to_end"]["hf_transformers"]["generation_tok_s"]
         del engine
+        import gc
+
+        gc.collect()
         dev.xp.get_default_memory_pool().free_all_blocks()
     # greedy tokens of this device's path against the CPU float32 path, same random model
     prompts = [{"prompt_token_ids": r.prompt[:48]} for r in requests[:4]]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2, detokenize=False)
     from .llm import LLM
 
-    gpu = LLM(str(model_dir), device=device, dtype="float32", num_blocks=1024).generate(prompts, params, use_tqdm=False)
+    gpu = LLM(str(model_dir), device=device, dtype="float32", num_blocks=1024, swap_space=0.5).generate(
+        prompts, params, use_tqdm=False)
     cpu = LLM(str(model_dir), device="cpu", kv_cache_space=0.5).generate(prompts, params, use_tqdm=False)
     agree, near_ties = 0, 0
     for a, b in zip(gpu, cpu):
@@ -241,18 +260,37 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=".", help="folder for gpu_results.json")
     p.add_argument("--smoke", action="store_true", help="run on the CPU harness with tiny shapes")
     args = p.parse_args(argv)
+    out_file = Path(args.out) / "gpu_results.json"
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    report: dict = {"date": time.strftime("%Y-%m-%d")}
+
+    def section(name: str, fn) -> None:
+        """Run one step; a failure is recorded and the next step still runs. The results so
+        far are written after every step, so a time-out loses only the step it hit."""
+        started = time.perf_counter()
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 (one broken step must not lose the others)
+            report.setdefault("errors", {})[name] = f"{type(err).__name__}: {err}"
+        report.setdefault("seconds", {})[name] = round(time.perf_counter() - started, 1)
+        out_file.write_text(json.dumps(report, indent=2, default=str))
+        print(f"[gpu_check] {name}: {report['seconds'][name]} s", flush=True)
+
     dev = Device(args.smoke)
-    report = {"date": time.strftime("%Y-%m-%d"), **dev.info()}
-    report["copy_bandwidth_gb_per_s"] = copy_bandwidth(dev, 4 if args.smoke else 2048) / 1e9
-    report["attention"] = kernel_report(dev, args.smoke)
-    for row in report["attention"]:
-        row["share_of_copy_bandwidth"] = row["kv_gb_per_s"] / report["copy_bandwidth_gb_per_s"]
-    report["other_kernels"] = elementwise_report(dev, args.smoke)
-    end_to_end(dev, args.smoke, report)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "gpu_results.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
-    return 0
+    section("device", lambda: report.update(dev.info()))
+    section("copy_bandwidth", lambda: report.update(
+        copy_bandwidth_gb_per_s=copy_bandwidth(dev, 4 if args.smoke else 2048) / 1e9))
+
+    def attention():
+        report["attention"] = kernel_report(dev, args.smoke)
+        for row in report["attention"]:
+            row["share_of_copy_bandwidth"] = row["kv_gb_per_s"] / report["copy_bandwidth_gb_per_s"]
+
+    section("attention", attention)
+    section("other_kernels", lambda: report.update(other_kernels=elementwise_report(dev, args.smoke)))
+    section("end_to_end", lambda: end_to_end(dev, args.smoke, report))
+    print(json.dumps(report, indent=2, default=str))
+    return 1 if report.get("errors") else 0
 
 
 if __name__ == "__main__":

@@ -109,5 +109,7 @@ class LlamaModel:
             hidden = hidden + attn.reshape(num_tokens, q_size) @ layer.o
             x = ops.rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             hidden = hidden + ops.silu_and_mul(x @ layer.gate_up) @ layer.down  # (T, hidden)
+        if logits_indices.shape[0] == 0:      # a step of prompt chunks only: nothing to sample
+            return ops.xp.empty((0, c.vocab_size), dtype=self.lm_head.dtype)
         last = ops.rms_norm(hidden[logits_indices], self.final_norm, c.rms_norm_eps)  # (N, hidden)
         return last @ self.lm_head                                            # (N, vocab)

@@ -1,7 +1,7 @@
 """The CUDA kernels without a GPU: NVRTC compiles every .cu file for sm_80 and sm_90, the CPU
 harness runs the same sources (through the very host code the GPU backend uses) against the
-NumPy specs, and the Numba CUDA block copies run under the CUDA simulator. Tests marked
-``gpu`` repeat the checks on a real device and skip without one."""
+NumPy specs, and the Numba CUDA block copies run under the CUDA simulator. tests/test_gpu.py repeats the checks
+on a real device and skips without one."""
 
 import json
 import os
@@ -176,6 +176,10 @@ def test_the_model_through_the_cuda_kernels_matches_the_reference(tiny_model_dir
                                  table, n, last)
         logits = model.forward(np.array(ids[first:last]), np.arange(first, last), kv, meta, np.arange(n))
         np.testing.assert_allclose(logits, expected[first:last], atol=1e-4, rtol=1e-4)
+    # a step of prompt chunks only samples nothing: no kernel may be launched on empty rows
+    assert model.forward(np.array(ids[:3]), np.arange(3), kv, AttentionMetadata(
+        slots[:3], np.array([0, 3], np.int32), np.array([3], np.int32), table, 3, 3),
+        np.arange(0)).shape == (0, config.vocab_size)
 
 
 # ---------------------------------------------------------------- Numba CUDA under the simulator
@@ -208,61 +212,15 @@ def test_numba_cuda_block_copies_under_the_simulator():
     assert "simulated ok" in done.stdout
 
 
-# ---------------------------------------------------------------- a real GPU
-
-
-def gpu_available() -> bool:
-    from minipaged.backend import cuda_available
-
-    return cuda_available()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU with CuPy")
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_gpu_attention_matches_the_spec(dtype):
-    import cupy
-
-    ops = cuda.gpu_ops()
-    rng = np.random.default_rng(0)
-    for seqs in ([(1, 700), (1, 3000), (1, 17)], [(40, 300), (1, 50), (7, 7)]):
-        q, k, v, meta = random_batch(rng, block_size=16, num_heads=8, num_kv_heads=2, head_dim=128,
-                                     seqs=seqs, dtype=dtype)
-        got = ops.paged_attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v),
-                                  AttentionMetadata(*(cupy.asarray(a) if isinstance(a, np.ndarray) else a
-                                                      for a in json_free(meta))), 0.1)
-        want = spec.paged_attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
-                                    meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.1)
-        np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want,
-                                   atol=3e-3 if dtype == np.float16 else 1e-4)
-
-
-def json_free(meta):
-    return (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, meta.max_seq_len)
-
-
 def test_the_gpu_check_script_runs_on_the_cpu_harness(tmp_path):
     """scripts/gpu_check.sh's Python half, in smoke mode: every step runs and reports."""
     done = subprocess.run([sys.executable, "-m", "minipaged.gpu_check", "--smoke", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_results.json").read_text())
+    assert "errors" not in report, report.get("errors")
     assert all(row["max_abs_error"] < 5e-3 for row in report["attention"])
     assert any(row["partitions"] > 1 for row in report["attention"])            # split-K exercised
     assert all(row.get("bit_exact", True) for row in report["other_kernels"])
     assert report["end_to_end"]["minipaged"]["generated_tokens"] > 0
     assert report["greedy_vs_cpu_float32"]["tokens_agreeing_before_first_divergence"] > 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU with CuPy")
-def test_gpu_engine_matches_the_cpu_engine(tiny_model_dir):
-    """The same engine on the GPU (float32) gives the CPU's greedy tokens on the tiny model."""
-    from minipaged import LLM, SamplingParams
-
-    prompts = [{"prompt_token_ids": list(range(3 + 7 * i, 30 + 7 * i))} for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    cpu = LLM(str(tiny_model_dir), device="cpu").generate(prompts, params, use_tqdm=False)
-    gpu = LLM(str(tiny_model_dir), device="cuda", dtype="float32", num_blocks=256).generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]

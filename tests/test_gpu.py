@@ -1,0 +1,90 @@
+"""The GPU backend on a real device (``pytest -m gpu``); every test skips cleanly without one.
+
+Kept apart from tests/test_cuda_kernels.py so that a GPU machine needs only numpy, pytest
+and CuPy to run them (scripts/gpu_check.sh).
+"""
+
+import numpy as np
+import pytest
+
+from minipaged.backend import cuda_available
+from minipaged.kernels import reference as spec
+from minipaged.kernels.layout import AttentionMetadata
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU with CuPy")]
+
+
+def random_batch(rng, *, block_size, num_heads, num_kv_heads, head_dim, seqs, dtype):
+    blocks_per_seq = [-(-n // block_size) for _, n in seqs]
+    num_blocks = sum(blocks_per_seq) + 2
+    k = rng.standard_normal((num_blocks, num_kv_heads, block_size, head_dim)).astype(dtype)
+    v = rng.standard_normal((num_blocks, num_kv_heads, block_size, head_dim)).astype(dtype)
+    physical = rng.permutation(num_blocks)
+    tables = np.full((len(seqs), max(blocks_per_seq)), -1, np.int32)
+    used = 0
+    for s, n in enumerate(blocks_per_seq):
+        tables[s, :n] = physical[used:used + n]
+        used += n
+    qsl = np.concatenate([[0], np.cumsum([q for q, _ in seqs])]).astype(np.int32)
+    lens = np.array([n for _, n in seqs], np.int32)
+    q = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(dtype)
+    return q, k, v, AttentionMetadata(np.zeros(len(q), np.int64), qsl, lens, tables, max(a for a, _ in seqs),
+                                      int(lens.max()))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_gpu_attention_matches_the_spec(dtype):
+    import cupy
+
+    from minipaged.kernels.cuda import gpu_ops
+
+    ops = gpu_ops()
+    rng = np.random.default_rng(0)
+    for seqs in ([(1, 700), (1, 3000), (1, 17)], [(40, 300), (1, 50), (7, 7)]):
+        q, k, v, meta = random_batch(rng, block_size=16, num_heads=8, num_kv_heads=2, head_dim=128,
+                                     seqs=seqs, dtype=dtype)
+        device_meta = AttentionMetadata(*(cupy.asarray(a) for a in (meta.slot_mapping, meta.query_start_loc,
+                                                                     meta.seq_lens, meta.block_tables)),
+                                        meta.max_query_len, meta.max_seq_len)
+        got = ops.paged_attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), device_meta, 0.1)
+        want = spec.paged_attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
+                                    meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.1)
+        np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want,
+                                   atol=3e-3 if dtype == np.float16 else 1e-4)
+
+
+def test_gpu_swap_round_trip_is_bit_exact():
+    import cupy
+
+    from minipaged.cache_engine import _pinned
+    from minipaged.kernels.cuda import gpu_ops
+
+    ops = gpu_ops()
+    rng = np.random.default_rng(1)
+    device = cupy.asarray(rng.standard_normal((2, 2, 12, 2, 16, 64)).astype(np.float16))
+    original = cupy.asnumpy(device)
+    host = _pinned((2, 2, 8, 2, 16, 64), np.float16)
+    ops.swap_blocks(device, host, [(3, 0), (7, 5)])
+    device[...] = 0
+    ops.swap_blocks(host, device, [(0, 10), (5, 1)])
+    cupy.cuda.Device().synchronize()
+    back = cupy.asnumpy(device)
+    assert back[:, :, 10].tobytes() == original[:, :, 3].tobytes()
+    assert back[:, :, 1].tobytes() == original[:, :, 7].tobytes()
+
+
+def test_gpu_engine_matches_the_cpu_engine(tmp_path):
+    """The same engine on the GPU (float32) gives the CPU's greedy tokens, chunked prefill and
+    preemption included."""
+    from minipaged import LLM, SamplingParams
+    from minipaged.model.random_llama import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny", head_dim=64)
+    prompts = [{"prompt_token_ids": list(range(3 + 7 * i, 40 + 7 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    cpu = LLM(str(model), device="cpu", swap_space=0.01).generate(prompts, params, use_tqdm=False)
+    for kwargs in (dict(num_blocks=256), dict(num_blocks=20, block_size=4, preemption_mode="swap"),
+                   dict(num_blocks=256, enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4)):
+        gpu = LLM(str(model), device="cuda", dtype="float32", swap_space=0.01, **kwargs)
+        out = gpu.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in cpu], kwargs
