@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm.auto import tqdm
 
+from .fragmentation import summarize
 from .metrics import Metrics
 
 WORKLOADS = {
@@ -40,7 +41,15 @@ WORKLOADS = {
     "shared-prefix": ("N requests behind one shared system prompt of PREFIX_LEN tokens, run with "
                       "prefix caching off and on", dict(num_prompts=32, min_prompt_len=16, max_prompt_len=64,
                                                         output_len=32, prefix_len=512)),
+    "memory": ("one trace (prompts and outputs of uniform random lengths) under one fixed KV budget, "
+               "with the paged allocator and the contiguous baseline (reserving max_model_len, then "
+               "prompt + max_tokens): utilization, fragmentation, concurrency, throughput",
+               dict(num_prompts=64, min_prompt_len=32, max_prompt_len=256, output_len=256, min_output_len=32,
+                    num_blocks=512, max_model_len=1024)),
 }
+
+# Engine settings a workload fixes unless the command line sets them.
+WORKLOAD_ENGINE = {"memory": ("num_blocks", "max_model_len")}
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,10 @@ def make_requests(workload: str, cfg: dict, vocab: int, seed: int) -> list[Bench
     if workload == "shared-prefix":
         prefix = make_prompts(1, cfg["prefix_len"], cfg["prefix_len"], vocab, seed + 2)[0]
         requests = [dataclasses.replace(r, prompt=prefix + r.prompt) for r in requests]
+    if workload == "memory":  # outputs of varied length: what a reservation cannot foresee
+        rng = np.random.default_rng(seed + 3)
+        lengths = rng.integers(cfg["min_output_len"], cfg["output_len"] + 1, size=len(requests))
+        requests = [dataclasses.replace(r, output_len=int(n)) for r, n in zip(requests, lengths)]
     if workload == "long-prompts":
         longs = make_prompts(cfg["long_prompts"], cfg["long_prompt_len"], cfg["long_prompt_len"], vocab, seed + 1)
         requests += [BenchRequest(p, 8, arrival_step=(i + 1) * cfg["arrival_gap"], measured=False)
@@ -83,6 +96,10 @@ def add_bench_parser(sub, add_engine_flags) -> None:
     p.add_argument("--long-prompt-len", type=int, default=None, help="long-prompts: their length")
     p.add_argument("--arrival-gap", type=int, default=None, help="long-prompts: steps between arrivals")
     p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: system prompt length")
+    p.add_argument("--min-output-len", type=int, default=None, help="memory: shortest output")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="memory: draw KV usage and its breakdown over time for each allocator "
+                        "(needs matplotlib: pip install -e '.[plot]')")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the prompt lengths and ids")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--peer", choices=["hf"], default=None,
@@ -199,16 +216,65 @@ def _print_table(workload: str, cfg: dict, results: dict[str, dict]) -> None:
         print(f"  {key:<{width}}  " + "  ".join(shown))
 
 
+def _memory_figures(engine, result: dict) -> dict:
+    """The memory workload's headline numbers, from the engine's per-step slot accounting."""
+    summary = summarize(engine.kv_history)
+    return {"utilization": summary["utilization"], "max_concurrent_requests": summary["max_concurrent_requests"],
+            "throughput_tok_s": result["generation_tok_s"],
+            "reserved_fraction": summary["reserved_fraction_of_allocated"],
+            "internal_fraction": summary["internal_fraction_of_allocated"],
+            "external_fraction_of_pool": summary["external_fraction_of_pool"]}
+
+
+def plot_memory(histories: dict, path: str) -> None:
+    """KV pool over time, one panel per allocator: used / reserved / internal / external / free."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install -e '.[plot]'") from None
+    fig, axes = plt.subplots(len(histories), 1, figsize=(9, 2.6 * len(histories)), sharey=True, squeeze=False)
+    colors = {"used": "#2a7", "reserved": "#9cf", "internal": "#f96", "external": "#c33", "free": "#eee"}
+    for ax, (label, history) in zip(axes[:, 0], histories.items()):
+        pool = [h.allocated + h.free for h in history]
+        layers = {"used": [h.used for h in history], "reserved": [h.reserved for h in history],
+                  "internal": [h.internal for h in history], "external": [h.external for h in history],
+                  "free": [h.free - h.external for h in history]}
+        ax.stackplot(range(len(history)), *[[v / p for v, p in zip(vals, pool)] for vals in layers.values()],
+                     labels=list(layers), colors=[colors[k] for k in layers])
+        summary = summarize(history)
+        ax.set_title(f"{label}: utilization {summary['utilization']:.0%}, "
+                     f"at most {summary['max_concurrent_requests']} requests at once", fontsize=10)
+        ax.set_xlim(0, max(len(history) - 1, 1))
+        ax.set_ylabel("share of KV pool")
+    axes[0, 0].legend(loc="upper right", fontsize=8, ncol=5)
+    axes[-1, 0].set_xlabel("engine step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .cli import engine_kwargs  # noqa: PLC0415
     from .engine import LLMEngine  # noqa: PLC0415
 
     _, defaults = WORKLOADS[args.workload]
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
-    runs = {"": engine_kwargs(args)}
+    base = engine_kwargs(args)
+    for key in WORKLOAD_ENGINE.get(args.workload, ()):
+        if base[key] is None:
+            base[key] = cfg[key]
+    runs = {"": base}
     if args.workload == "shared-prefix":  # the same trace with the page cache off, then on
-        runs = {f"caching {'on' if on else 'off'}": {**engine_kwargs(args), "enable_prefix_caching": on}
-                for on in (False, True)}
+        runs = {f"caching {'on' if on else 'off'}": {**base, "enable_prefix_caching": on} for on in (False, True)}
+    if args.workload == "memory":  # the same trace and budget, paging against reservation
+        runs = {"paged": {**base, "kv_allocator": "paged", "track_fragmentation": True},
+                "contiguous": {**base, "kv_allocator": "contiguous", "contiguous_reserve": "max_model_len",
+                               "track_fragmentation": True},
+                "contiguous_max_tokens": {**base, "kv_allocator": "contiguous", "contiguous_reserve": "max_tokens",
+                                          "track_fragmentation": True}}
+    histories = {}
     results = {}
     for label, kwargs in runs.items():
         engine = LLMEngine(**kwargs)
@@ -220,9 +286,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         engine.scheduler.reset_counters()
         if engine.block_manager.cache is not None:
             engine.block_manager.cache.queries = engine.block_manager.cache.hits = 0
+        engine.kv_history = []
         results[label] = run_workload(engine, requests)
+        if args.workload == "memory":
+            results[label] = {**_memory_figures(engine, results[label]), **results[label]}
+            histories[label] = engine.kv_history
+    if args.plot:
+        plot_memory(histories, args.plot)
     if len(results) > 1:
-        report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs(args), "results": results}
+        # one section per configuration: "paged" / "contiguous" (memory), "caching on" / "caching off"
+        report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs(args), **results}
         _print_table(args.workload, cfg, results)
         if args.out:
             with open(args.out, "w") as f:

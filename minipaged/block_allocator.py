@@ -56,6 +56,13 @@ class BlockAllocator:
         self.ref_counts[block_id] = 1
         return block_id
 
+    def take(self, block_id: int) -> None:
+        """Allocate one particular free block (the contiguous baseline needs runs).
+        O(n) in the free queue: only the baseline uses it."""
+        assert self.ref_counts[block_id] == 0, f"{self.name} block {block_id} is not free"
+        self.free_queue.remove(block_id)
+        self.ref_counts[block_id] = 1
+
     def revive(self, block_id: int) -> None:
         """A prefix-cache hit on a freed, parked block: it is held again."""
         assert self.ref_counts[block_id] == 0

@@ -262,6 +262,15 @@ class BlockManager:
                 self.on_cpu.discard(seq.seq_id)
         return list(mapping.items())
 
+    # ------------------------------------------------------------------ accounting hooks
+    def reserved_blocks(self, seq: Sequence) -> list[int]:
+        """Blocks held for the sequence but not yet in its table (paging reserves none)."""
+        return []
+
+    def blocked_by_fragmentation(self, group: SequenceGroup) -> bool:
+        """Would the group fit in the free blocks but for their layout? Never, with paging."""
+        return False
+
     # ------------------------------------------------------------------ release
     def free(self, seq: Sequence) -> None:
         """The process exits: drop its page table and release each frame once."""

@@ -81,7 +81,16 @@ class ChatSession:
                 self.messages.pop()  # refused (too long): forget the message
             else:
                 self.messages.append({"role": "assistant", "content": answer})
+                if self.args.show_blocks:
+                    print(self.pool_picture())
         return 0
+
+    def pool_picture(self) -> str:
+        """The KV pool after an answer: with prefix caching, the conversation's blocks stay
+        in the page cache (free, but found again by the next turn)."""
+        from .viz import engine_snapshot, render_text  # noqa: PLC0415
+
+        return render_text(engine_snapshot(self.engine), max_blocks=32)
 
     def fitted_prompt(self) -> tuple[list[dict], list[int]]:
         """The conversation (oldest turns dropped if it would not fit) and its token ids."""

@@ -53,6 +53,11 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
                    help="split long prompts into chunks that share steps with running decodes")
     g.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps run per scheduling decision (multi-step scheduling)")
+    g.add_argument("--kv-allocator", default="paged", choices=["paged", "contiguous"],
+                   help="paged (PagedAttention) or the contiguous baseline: one run of blocks reserved "
+                        "per request at admission, as systems before vLLM did")
+    g.add_argument("--contiguous-reserve", default="max_model_len", choices=["max_model_len", "max_tokens"],
+                   help="what the contiguous baseline reserves: max_model_len slots, or prompt + max_tokens")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="GPU: share of the device's memory for weights, activations and the KV cache")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
@@ -68,7 +73,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 num_scheduler_steps=args.num_scheduler_steps, seed=args.seed,
                 log_stats_interval=args.log_stats_interval,
                 enable_prefix_caching=args.enable_prefix_caching,
-                gpu_memory_utilization=args.gpu_memory_utilization)
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                kv_allocator=args.kv_allocator, contiguous_reserve=args.contiguous_reserve)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float,
@@ -103,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(chat, log_stats_interval=0.0, prefix_caching=True)
     add_sampling_flags(chat, max_tokens=512, temperature=0.2, top_p=0.9)
     chat.add_argument("--system", default=None, help="a system prompt (else the template's default)")
+    chat.add_argument("--show-blocks", action="store_true",
+                      help="print the KV pool (and what the prefix cache keeps) after every answer")
 
     gen = sub.add_parser("generate", help="complete prompts in one batch",
                          description="Complete each PROMPT (all in one batch) and print the results.")
@@ -115,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--beam-width", type=int, default=None,
                      help="beam search with this many beams instead of sampling")
     gen.add_argument("--length-penalty", type=float, default=1.0, help="beam search length penalty")
+    gen.add_argument("--show-blocks", action="store_true",
+                     help="print the KV pool and the page tables after every engine step")
 
 
     fetch = sub.add_parser("fetch", help="download and convert a known model",
@@ -146,6 +156,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .llm import LLM  # noqa: PLC0415
 
     llm = LLM(**engine_kwargs(args))
+    if args.show_blocks:
+        if args.beam_width is not None:
+            raise ValueError("--show-blocks steps the engine by hand; use it without --beam-width")
+        return _generate_showing_blocks(llm.llm_engine, args)
     if args.beam_width is not None:
         beams = llm.beam_search(args.prompts, BeamSearchParams(
             beam_width=args.beam_width, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
@@ -173,6 +187,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if stats["kv_blocks_unshared_peak"] > stats["kv_blocks_peak"]:
         print(f"[minipaged] KV blocks at peak: {stats['kv_blocks_peak']} shared, "
               f"{stats['kv_blocks_unshared_peak']} if every sequence had its own copy", file=sys.stderr)
+    return 0
+
+
+def _generate_showing_blocks(engine, args: argparse.Namespace) -> int:
+    """generate, one step at a time, printing the pool and the page tables after each."""
+    from .sampling_params import OutputKind  # noqa: PLC0415
+    from .viz import engine_snapshot, render_text  # noqa: PLC0415
+
+    params = sampling_params(args, n=args.n, output_kind=OutputKind.FINAL_ONLY)
+    for i, prompt in enumerate(args.prompts):
+        engine.add_request(str(i), prompt, params)
+    step, finished = 0, {}
+    while engine.has_unfinished_requests():
+        plan_outputs = engine.step()
+        step += 1
+        print(f"=== step {step}: " + ", ".join(f"request {r}" for r in sorted(
+            g.request_id for g in engine.scheduler.running)) + " running")
+        print(render_text(engine_snapshot(engine)))
+        for out in plan_outputs:
+            finished[out.request_id] = out
+    for i in range(len(args.prompts)):
+        out = finished[str(i)]
+        for c in out.outputs:
+            print(f"{out.prompt}{c.text}")
+            print(f"--- [{c.finish_reason}, {len(c.token_ids)} tokens]")
     return 0
 
 

@@ -22,6 +22,8 @@ from .backend import select_backend
 from .block_manager import BlockManager, blocks_for
 from .cache_engine import CacheEngine, profile_gpu_num_blocks
 from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .contiguous_allocator import ContiguousBlockManager
+from .fragmentation import KVBreakdown, measure, summarize
 from .detokenizer import start_offsets
 from .metrics import Metrics
 from .model.config import LlamaConfig
@@ -62,6 +64,8 @@ class LLMEngine:
                  swap_space: float = 4.0, preemption_mode: str = "auto",
                  enable_chunked_prefill: bool = False, num_scheduler_steps: int = 1,
                  enable_prefix_caching: bool = False, gpu_memory_utilization: float = 0.9,
+                 kv_allocator: str = "paged", contiguous_reserve: str = "max_model_len",
+                 track_fragmentation: bool = False,
                  seed: int = 0, log_stats_interval: float = 0.0) -> None:
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype, seed=seed)
         cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
@@ -93,9 +97,20 @@ class LLMEngine:
                                                 self.max_model_len, self.backend.dtype)
         self.cache = CacheEngine(self.model_config, cache_config, self.backend.ops, self.backend.dtype,
                                  gpu_num_blocks=gpu_blocks)
-        self.block_manager = BlockManager(self.cache.num_blocks, block_size, self.cache.num_cpu_blocks,
-                                          watermark=cache_config.watermark,
-                                          enable_prefix_caching=enable_prefix_caching)
+        if kv_allocator == "contiguous":   # the "traditional" baseline of the paper
+            if enable_prefix_caching:
+                raise ValueError("prefix caching needs the paged allocator (kv_allocator='paged')")
+            self.block_manager = ContiguousBlockManager(self.cache.num_blocks, block_size, self.max_model_len,
+                                                        reserve=contiguous_reserve)
+        elif kv_allocator == "paged":
+            self.block_manager = BlockManager(self.cache.num_blocks, block_size, self.cache.num_cpu_blocks,
+                                              watermark=cache_config.watermark,
+                                              enable_prefix_caching=enable_prefix_caching)
+        else:
+            raise ValueError(f"kv_allocator must be 'paged' or 'contiguous', got {kv_allocator!r}")
+        self.kv_allocator = kv_allocator
+        self.track_fragmentation = track_fragmentation
+        self.kv_history: list[KVBreakdown] = []   # one per step, if track_fragmentation
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.runner = ModelRunner(self.model)
         self.sampler = Sampler(self.backend.xp)
@@ -150,6 +165,10 @@ class LLMEngine:
         # token is never written, so min(prompt + max_tokens, max_model_len) - 1.
         # Counted without sharing: a preempted n-sample request is recomputed sample by sample.
         longest = max(len(ids), min(len(ids) + params.max_tokens, self.max_model_len) - 1)
+        if self.kv_allocator == "contiguous":
+            if params.n != 1:
+                raise RequestError("the contiguous allocator serves one sequence a request (n=1, no beams)")
+            longest = self.block_manager.reservation_tokens(Sequence(-1, ids), params.max_tokens)
         needed = params.n * blocks_for(longest, self.block_manager.block_size)
         usable = self.block_manager.num_blocks - self.block_manager.watermark_blocks
         if needed > usable:
@@ -222,6 +241,10 @@ class LLMEngine:
             return []
         blocks_in_use = self.block_manager.num_used_blocks                 # before anything is freed
         blocks_mapped = self.block_manager.num_mapped_blocks
+        self.metrics.max_concurrent_requests = max(self.metrics.max_concurrent_requests,
+                                                   len(self.scheduler.running))
+        if self.track_fragmentation:
+            self.kv_history.append(measure(self.block_manager, self.scheduler, self.max_model_len))
         touched: dict[str, SequenceGroup] = {}
         items = plan.scheduled
         num_generated = self._run_model(items, touched)
@@ -338,4 +361,7 @@ class LLMEngine:
             prefix_cache_queries=bm.cache.queries if bm.cache else 0,
             prefix_cache_hits=bm.cache.hits if bm.cache else 0,
             prefix_cache_hit_rate=bm.cache.hit_rate if bm.cache else 0.0,
+            max_concurrent_requests=self.metrics.max_concurrent_requests,
+            kv_slots=measure(bm, sched, self.max_model_len).as_dict(),   # where the pool's slots are now
+            fragmentation=summarize(self.kv_history),                    # averages over tracked steps
         )

@@ -19,6 +19,7 @@ def _percentiles(values: list[float], prefix: str) -> dict:
 class Metrics:
     kv_blocks_peak: int = 0
     kv_blocks_unshared_peak: int = 0   # the peak if every sequence had its own copy of every block
+    max_concurrent_requests: int = 0   # the most requests running (holding KV blocks) at once
     num_steps: int = 0
     prompt_tokens: int = 0        # prompt (and recomputed) tokens run through the model
     generation_tokens: int = 0    # tokens sampled

@@ -1,0 +1,162 @@
+"""Pictures of the KV cache drawn from real engine state: the physical pool and the page tables.
+
+``snapshot`` reads a block manager (and the sequences it serves) into a plain view;
+``render_text`` prints it for a terminal (``generate --show-blocks``, ``chat
+--show-blocks``), ``render_svg`` draws it for the docs: logical blocks of each
+sequence on the left, the physical pool on the right, a line from every logical
+block to the frame that holds it, shared frames marked, free ones grey.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from html import escape
+
+PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
+           "#9c755f", "#bab0ab"]
+
+
+@dataclass
+class BlockView:
+    block_id: int
+    owners: list[str]                  # names of the sequences whose tables hold it
+    slots: list[str | None]            # text of each slot's token, None if empty
+    state: str                         # "used", "free" or "cached" (free, contents kept for hits)
+
+
+@dataclass
+class TableView:
+    name: str
+    entries: list[tuple[int, int, int]]   # (logical block, physical block, filled slots)
+    slots: list[list[str | None]] = field(default_factory=list)  # per logical block, its tokens' text
+
+
+@dataclass
+class PoolView:
+    block_size: int
+    blocks: list[BlockView]
+    tables: list[TableView]
+
+
+def snapshot(block_manager, sequences: dict[str, object], token_text=str) -> PoolView:
+    """Read the pool and the named sequences' tables; a slot shows the text of the token
+    whose K/V it holds (tokens computed so far), empty slots show as empty."""
+    size = block_manager.block_size
+    owners: dict[int, list[str]] = {}
+    contents: dict[int, list[str | None]] = {}
+    tables = []
+    for name, seq in sequences.items():
+        table = block_manager.tables.get(seq.seq_id)
+        if table is None or seq.seq_id in block_manager.on_cpu:
+            continue
+        tokens = seq.token_ids
+        view = TableView(name, [])
+        for i, block in enumerate(table.block_ids):
+            filled = min(max(seq.num_computed_tokens - i * size, 0), size)
+            text = [token_text(tokens[i * size + j]) if j < filled else None for j in range(size)]
+            view.entries.append((i, block, filled))
+            view.slots.append(text)
+            owners.setdefault(block, []).append(name)
+            old = contents.get(block, [None] * size)
+            contents[block] = [a if a is not None else b for a, b in zip(text, old)]
+        tables.append(view)
+    cache = getattr(block_manager, "cache", None)
+    blocks = []
+    for block in range(block_manager.num_blocks):
+        if block in owners:
+            blocks.append(BlockView(block, owners[block], contents[block], "used"))
+        elif cache is not None and block in cache.evictable:
+            blocks.append(BlockView(block, [], [token_text(t) for t in cache.tokens_of[block]], "cached"))
+        elif block_manager.allocator.ref_counts[block] > 0:     # held but not by a named table
+            blocks.append(BlockView(block, ["?"], [None] * size, "used"))
+        else:
+            blocks.append(BlockView(block, [], [None] * size, "free"))
+    return PoolView(size, blocks, tables)
+
+
+def engine_snapshot(engine) -> PoolView:
+    """The pool of a running LLMEngine; sequences named by request id (and sample index)."""
+    named = {}
+    for group in engine.scheduler.running:
+        for i, seq in enumerate(group.unfinished_seqs()):
+            named[group.request_id if len(group.seqs) == 1 else f"{group.request_id}.{i}"] = seq
+    tokenizer = engine.tokenizer
+    return snapshot(engine.block_manager, named, lambda t: tokenizer.decode([t]))
+
+
+def _cell(text: str | None, width: int) -> str:
+    if text is None:
+        return "·".center(width)
+    text = text.replace("\n", "⏎").replace(" ", "␣") if text.strip() != text or "\n" in text else text
+    return text[:width].ljust(width)
+
+
+def render_text(view: PoolView, max_blocks: int = 64, cell: int = 6) -> str:
+    """Page tables first, then the physical pool (only the first ``max_blocks`` frames)."""
+    lines = [f"page tables (logical block -> physical block, slots filled of {view.block_size}):"]
+    for table in view.tables:
+        parts = [f"{logical}->{physical}({filled})" for logical, physical, filled in table.entries]
+        lines.append(f"  {table.name:>8}: " + " ".join(parts))
+    used = sum(b.state == "used" for b in view.blocks)
+    cached = sum(b.state == "cached" for b in view.blocks)
+    lines.append(f"physical pool: {used} used, {cached} cached, "
+                 f"{len(view.blocks) - used - cached} free of {len(view.blocks)} blocks")
+    for block in view.blocks[:max_blocks]:
+        if block.state == "free":
+            continue
+        who = ",".join(block.owners) if block.owners else "cache"
+        shared = " shared" if len(block.owners) > 1 else ""
+        slots = "|".join(_cell(t, cell) for t in block.slots)
+        lines.append(f"  [{block.block_id:>3}] {slots}  <- {who}{shared}")
+    hidden = sum(b.state != "free" for b in view.blocks[max_blocks:])
+    if hidden:
+        lines.append(f"  ... {hidden} more non-free blocks")
+    return "\n".join(lines)
+
+
+def render_svg(view: PoolView, title: str = "", max_blocks: int = 32) -> str:
+    """Logical blocks of each sequence (left), the physical pool (right), a line per mapping."""
+    size, slot_w, row_h, gap = view.block_size, 58, 26, 14
+    block_w = size * slot_w
+    left_x, right_x = 110, 110 + block_w + 170
+    colors = {t.name: PALETTE[i % len(PALETTE)] for i, t in enumerate(view.tables)}
+    pool = view.blocks[:max_blocks]
+    left_rows = sum(len(t.entries) for t in view.tables) + len(view.tables)
+    height = 60 + max(left_rows, len(pool)) * (row_h + 4) + gap
+    width = right_x + block_w + 150
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="monospace" font-size="12">',
+           f'<text x="10" y="20" font-size="15" font-weight="bold">{escape(title)}</text>',
+           f'<text x="{left_x}" y="44" font-weight="bold">logical blocks (page tables)</text>',
+           f'<text x="{right_x}" y="44" font-weight="bold">physical KV blocks</text>']
+    pool_y = {b.block_id: 56 + i * (row_h + 4) for i, b in enumerate(pool)}
+
+    def block_row(x, y, slots, fill, label):
+        out.append(f'<text x="{x - 8}" y="{y + 17}" text-anchor="end">{escape(label)}</text>')
+        for j, text in enumerate(slots):
+            out.append(f'<rect x="{x + j * slot_w}" y="{y}" width="{slot_w}" height="{row_h}" '
+                       f'fill="{fill if text is not None else "#fff"}" fill-opacity="0.35" stroke="#555"/>')
+            if text is not None:
+                out.append(f'<text x="{x + j * slot_w + 4}" y="{y + 17}">{escape(text.strip()[:7])}</text>')
+
+    y = 56
+    for table in view.tables:
+        out.append(f'<text x="10" y="{y + 17}" fill="{colors[table.name]}" font-weight="bold">'
+                   f'{escape(table.name)}</text>')
+        for (logical, physical, _), slots in zip(table.entries, table.slots):
+            block_row(left_x, y, slots, colors[table.name], f"{logical}")
+            if physical in pool_y:
+                out.append(f'<line x1="{left_x + block_w}" y1="{y + row_h / 2}" x2="{right_x}" '
+                           f'y2="{pool_y[physical] + row_h / 2}" stroke="{colors[table.name]}" stroke-width="1.5"/>')
+            y += row_h + 4
+        y += row_h + 4
+    for block in pool:
+        fill = colors.get(block.owners[0], "#999") if block.owners else ("#bbb" if block.state == "cached" else "#fff")
+        block_row(right_x, pool_y[block.block_id], block.slots, fill, f"{block.block_id}")
+        note = ("shared x%d" % len(block.owners)) if len(block.owners) > 1 else (
+            "cached, free" if block.state == "cached" else ("free" if block.state == "free" else ""))
+        if note:
+            out.append(f'<text x="{right_x + block_w + 8}" y="{pool_y[block.block_id] + 17}" '
+                       f'fill="#555">{note}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
