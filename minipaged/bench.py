@@ -30,9 +30,10 @@ WORKLOADS = {
     "prefill": ("one long prompt, one output token: prompt processing speed",
                 dict(num_prompts=1, min_prompt_len=256, max_prompt_len=256, output_len=1)),
     "long-prompts": ("N short requests decoding while LONG_PROMPTS long prompts arrive one by one "
-                     "(every ARRIVAL_GAP steps): the stall decodes suffer (inter-token latency)",
+                     "(every ARRIVAL_GAP steps), with chunked prefill off and on (a CHUNK_BUDGET-token "
+                     "budget): the stall decodes suffer (TTFT, TPOT, inter-token latency)",
                      dict(num_prompts=16, min_prompt_len=32, max_prompt_len=32, output_len=96,
-                          long_prompts=4, long_prompt_len=1024, arrival_gap=8)),
+                          long_prompts=4, long_prompt_len=1024, arrival_gap=8, chunk_budget=256)),
     "parallel-sampling": ("N prompts, each sampled n=4 times (temperature 1, seeded): the samples "
                           "share the prompt's blocks", dict(num_prompts=16, min_prompt_len=128,
                                                             max_prompt_len=256, output_len=64)),
@@ -96,6 +97,8 @@ def add_bench_parser(sub, add_engine_flags) -> None:
     p.add_argument("--long-prompt-len", type=int, default=None, help="long-prompts: their length")
     p.add_argument("--arrival-gap", type=int, default=None, help="long-prompts: steps between arrivals")
     p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: system prompt length")
+    p.add_argument("--chunk-budget", type=int, default=None,
+                   help="long-prompts: token budget of the chunked-prefill run")
     p.add_argument("--min-output-len", type=int, default=None, help="memory: shortest output")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="memory: draw KV usage and its breakdown over time for each allocator "
@@ -268,6 +271,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     runs = {"": base}
     if args.workload == "shared-prefix":  # the same trace with the page cache off, then on
         runs = {f"caching {'on' if on else 'off'}": {**base, "enable_prefix_caching": on} for on in (False, True)}
+    if args.workload == "long-prompts":  # the same arrivals without and with chunked prefill
+        chunk = base["max_num_batched_tokens"] or cfg["chunk_budget"]
+        runs = {"chunked off": {**base, "enable_chunked_prefill": False, "max_num_batched_tokens": None},
+                "chunked on": {**base, "enable_chunked_prefill": True, "max_num_batched_tokens": chunk,
+                               "max_num_seqs": min(base["max_num_seqs"], chunk)}}
     if args.workload == "memory":  # the same trace and budget, paging against reservation
         runs = {"paged": {**base, "kv_allocator": "paged", "track_fragmentation": True},
                 "contiguous": {**base, "kv_allocator": "contiguous", "contiguous_reserve": "max_model_len",

@@ -166,3 +166,31 @@ def test_generate_show_blocks(tiny_model_dir):
     out = done.stdout.decode(errors="replace")
     assert done.returncode == 0, done.stderr
     assert out.count("=== step") >= 3 and "page tables" in out and "0->" in out
+
+
+@pytest.mark.parametrize("workload,extra,sections", [
+    ("throughput", [], ["result"]),
+    ("single-stream", [], ["result"]),
+    ("prefill", ["--min-prompt-len", "20", "--max-prompt-len", "20"], ["result"]),
+    ("parallel-sampling", [], ["result"]),
+    ("beam", [], ["result"]),
+    ("shared-prefix", ["--prefix-len", "40"], ["caching off", "caching on"]),
+    ("long-prompts", ["--long-prompts", "2", "--long-prompt-len", "60", "--chunk-budget", "16"],
+     ["chunked off", "chunked on"]),
+])
+def test_every_bench_workload_runs(tiny_model_dir, tmp_path, workload, extra, sections):
+    out = tmp_path / "bench.json"
+    sizes = ["--num-prompts", "3", "--output-len", "4"] if workload not in ("single-stream", "prefill") else []
+    if workload in ("throughput", "parallel-sampling", "beam", "shared-prefix"):
+        sizes += ["--min-prompt-len", "8", "--max-prompt-len", "30"]
+    done = subprocess.run([sys.executable, "-m", "minipaged", "bench", workload, "--model", str(tiny_model_dir),
+                           "--device", "cpu", "--swap-space", "0.002", "--log-stats-interval", "0",
+                           "--out", str(out), *sizes, *extra], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    for section in sections:
+        assert report[section]["generated_tokens"] > 0 and report[section]["elapsed_s"] > 0
+    if workload == "shared-prefix":
+        assert report["caching on"]["prefix_cache_hit_rate"] > 0 == report["caching off"]["prefix_cache_hit_rate"]
+    if workload == "parallel-sampling" or workload == "beam":
+        assert report["result"]["kv_blocks_unshared_peak"] > report["result"]["kv_blocks_peak"]
