@@ -11,7 +11,7 @@
 //   __shfl_xor_sync(mask, v, m)   an exchange through a per-warp buffer between two barriers
 //                                 (all 32 lanes of a warp must call it together: full masks)
 //   __half / __half2              _Float16 (IEEE binary16, round to nearest like __float2half)
-// What is not here, a kernel may not use (docs/gpu.md lists it): atomics, dynamic shared
+// What is not here, a kernel may not use (docs/kernels.md lists it): atomics, dynamic shared
 // memory, cooperative groups, textures, warp votes, partial-warp masks.
 #pragma once
 

@@ -31,7 +31,12 @@ if not _logger.handlers:
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("[minipaged] %(message)s"))
     _logger.addHandler(_handler)
-    _logger.setLevel(os.environ.get("MINIPAGED_LOG_LEVEL", "INFO").upper())
+    _level = os.environ.get("MINIPAGED_LOG_LEVEL", "INFO").upper()
+    if _level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        _logger.warning("MINIPAGED_LOG_LEVEL=%r is not a log level (DEBUG, INFO, WARNING, ERROR, "
+                        "CRITICAL); using INFO", _level)
+        _level = "INFO"
+    _logger.setLevel(_level)
     _logger.propagate = False
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence

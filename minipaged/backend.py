@@ -38,8 +38,6 @@ def cuda_available() -> bool:
 def select_backend(device: str, dtype: str) -> Backend:
     """CUDA when asked for (or, with "auto", when CuPy sees a GPU), else the CPU."""
     if device in ("cuda", "auto") and cuda_available():
-        if dtype == "bfloat16":
-            raise ValueError("dtype='bfloat16' has no CUDA kernels yet; use 'float16' (default) or 'float32'")
         from .kernels.cuda import gpu_ops  # noqa: PLC0415 (needs CuPy; compiles the .cu files once)
 
         return Backend("cuda", gpu_ops(), np.dtype(np.float32 if dtype == "float32" else np.float16))

@@ -90,8 +90,8 @@ def add_bench_parser(sub, add_engine_flags) -> None:
                            f"{name}: {desc}" for name, (desc, _) in WORKLOADS.items()))
     p.add_argument("workload", choices=list(WORKLOADS), nargs="?", default="throughput")
     p.add_argument("--num-prompts", type=int, default=None, help="requests in the workload")
-    p.add_argument("--min-prompt-len", type=int, default=None)
-    p.add_argument("--max-prompt-len", type=int, default=None)
+    p.add_argument("--min-prompt-len", type=int, default=None, help="shortest prompt, in tokens")
+    p.add_argument("--max-prompt-len", type=int, default=None, help="longest prompt, in tokens")
     p.add_argument("--output-len", type=int, default=None, help="tokens generated per request")
     p.add_argument("--long-prompts", type=int, default=None, help="long-prompts: how many long prompts")
     p.add_argument("--long-prompt-len", type=int, default=None, help="long-prompts: their length")
@@ -258,11 +258,34 @@ def plot_memory(histories: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+PEER_WORKLOADS = ("throughput", "single-stream", "prefill")   # one padded batch, greedy, fits a peer
+
+
+def check_bench_args(args: argparse.Namespace, defaults: dict) -> None:
+    """Refuse flags this workload would silently ignore, before any model is loaded."""
+    for name, (_, other) in WORKLOADS.items():
+        for key in other:
+            engine_flag = key in WORKLOAD_ENGINE.get(name, ())   # an engine flag, valid everywhere
+            if not engine_flag and key not in defaults and getattr(args, key, None) is not None:
+                users = [w for w, (_, d) in WORKLOADS.items() if key in d]
+                raise ValueError(f"--{key.replace('_', '-')} does not apply to the {args.workload} workload "
+                                 f"(it applies to: {', '.join(users)})")
+    if args.plot and args.workload != "memory":
+        raise ValueError("--plot draws the memory workload's KV pool; use it with `bench memory`")
+    if args.peer and args.workload not in PEER_WORKLOADS:
+        raise ValueError(f"--peer runs one padded greedy batch, which fits only the "
+                         f"{', '.join(PEER_WORKLOADS)} workloads, not {args.workload}")
+    if args.workload == "memory" and args.enable_prefix_caching:
+        raise ValueError("the memory workload compares paging with the contiguous baseline, which "
+                         "has no prefix caching; run it without --enable-prefix-caching")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .cli import engine_kwargs  # noqa: PLC0415
     from .engine import LLMEngine  # noqa: PLC0415
 
     _, defaults = WORKLOADS[args.workload]
+    check_bench_args(args, defaults)
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
     base = engine_kwargs(args)
     for key in WORKLOAD_ENGINE.get(args.workload, ()):

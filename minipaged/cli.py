@@ -17,10 +17,13 @@ from .model.fetch import DEFAULT_MODEL, KNOWN_MODELS
 
 def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0,
                      prefix_caching: bool = False) -> None:
+    """Engine flags. ``prefix_caching=True`` (chat) turns the page cache on unless the
+    contiguous allocator, which has none, is chosen."""
     g = p.add_argument_group("engine")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=prefix_caching,
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default="paged" if prefix_caching else False,
                    help="reuse the KV blocks of prompt prefixes seen before (default: "
-                        f"{'on' if prefix_caching else 'off'})")
+                        f"{'on with the paged allocator' if prefix_caching else 'off'})")
     g.add_argument("--log-stats-interval", type=float, default=log_stats_interval, metavar="SECONDS",
                    help="print a stats line (throughput, queues, KV usage, preemptions) this often "
                         f"on stderr; 0 turns it off (default {log_stats_interval:g})")
@@ -29,7 +32,7 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
                         "Llama directory (config.json, *.safetensors, tokenizer.json)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where to run: 'auto' picks a CUDA GPU if CuPy sees one, else the CPU")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
                    help="weight and KV cache dtype ('auto': float32 on the CPU)")
     g.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV block (a power of two); the page size of the KV cache")
@@ -42,14 +45,15 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step (default: max(max_model_len, 2048))")
+                   help="token budget of one step (default: max(2048, max_num_seqs, max_model_len); "
+                        "with chunked prefill max(2048, max_num_seqs))")
     g.add_argument("--swap-space", type=float, default=4.0,
                    help="GiB of CPU memory for KV blocks swapped out by preemption")
     g.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"],
                    help="how a preempted request gives its blocks back: swap them to CPU memory, "
                         "drop them and recompute later, or auto (swap unless short or the swap "
                         "space is full)")
-    g.add_argument("--enable-chunked-prefill", action="store_true",
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
                    help="split long prompts into chunks that share steps with running decodes")
     g.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps run per scheduling decision (multi-step scheduling)")
@@ -72,7 +76,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 num_scheduler_steps=args.num_scheduler_steps, seed=args.seed,
                 log_stats_interval=args.log_stats_interval,
-                enable_prefix_caching=args.enable_prefix_caching,
+                enable_prefix_caching=(args.kv_allocator == "paged" if args.enable_prefix_caching == "paged"
+                                       else args.enable_prefix_caching),
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_allocator=args.kv_allocator, contiguous_reserve=args.contiguous_reserve)
 

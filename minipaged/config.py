@@ -39,7 +39,8 @@ class CacheConfig:
                  f"block_size must be a power of two between 1 and 256, got {self.block_size!r}")
         _require(self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks > 0),
                  f"num_blocks must be a positive integer, got {self.num_blocks!r}")
-        _require(self.kv_cache_space is None or self.kv_cache_space > 0,
+        _require(self.kv_cache_space is None
+                 or (isinstance(self.kv_cache_space, (int, float)) and self.kv_cache_space > 0),
                  f"kv_cache_space must be a positive number of GiB, got {self.kv_cache_space!r}")
         _require(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
                  f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
@@ -88,7 +89,7 @@ class SchedulerConfig:
 
 
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16")   # bfloat16 weights are widened on load; no bf16 kernels
 
 
 @dataclass(frozen=True)
@@ -104,4 +105,5 @@ class EngineConfig:
         _require(isinstance(self.model, str) and self.model != "", "model must be a name or a path")
         _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _require(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _require(isinstance(self.seed, int) and self.seed >= 0,
+                 f"seed must be a non-negative integer, got {self.seed!r}")

@@ -21,7 +21,7 @@ import numpy as np
 from .backend import select_backend
 from .block_manager import BlockManager, blocks_for
 from .cache_engine import CacheEngine, profile_gpu_num_blocks
-from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from .contiguous_allocator import ContiguousBlockManager
 from .fragmentation import KVBreakdown, measure, summarize
 from .detokenizer import start_offsets
@@ -71,14 +71,26 @@ class LLMEngine:
         cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                    kv_cache_space=kv_cache_space, swap_space=swap_space,
                                    gpu_memory_utilization=gpu_memory_utilization)
+        # Settings that need no model are checked before the (slow) load.
+        if kv_allocator not in ("paged", "contiguous"):
+            raise ConfigError(f"kv_allocator must be 'paged' or 'contiguous', got {kv_allocator!r}")
+        if contiguous_reserve not in ("max_model_len", "max_tokens"):
+            raise ConfigError(f"contiguous_reserve must be 'max_model_len' or 'max_tokens', "
+                              f"got {contiguous_reserve!r}")
+        if kv_allocator == "contiguous" and enable_prefix_caching:
+            raise ConfigError("prefix caching needs the paged allocator (kv_allocator='paged'); "
+                              "turn one of them off")
+        if not (isinstance(log_stats_interval, (int, float)) and log_stats_interval >= 0):
+            raise ConfigError(f"log_stats_interval must be a number of seconds >= 0 (0: never), "
+                              f"got {log_stats_interval!r}")
         model_dir = resolve_model(self.config.model)
         self.model_dir = model_dir
         self.model_config = LlamaConfig.from_dir(model_dir)
         max_pos = self.model_config.max_position_embeddings
         if max_model_len is not None and not (isinstance(max_model_len, int) and max_model_len > 0):
-            raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+            raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len!r}")
         if max_model_len is not None and max_model_len > max_pos:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+            raise ConfigError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}")
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_pos if max_model_len is None else max_model_len,
@@ -98,16 +110,12 @@ class LLMEngine:
         self.cache = CacheEngine(self.model_config, cache_config, self.backend.ops, self.backend.dtype,
                                  gpu_num_blocks=gpu_blocks)
         if kv_allocator == "contiguous":   # the "traditional" baseline of the paper
-            if enable_prefix_caching:
-                raise ValueError("prefix caching needs the paged allocator (kv_allocator='paged')")
             self.block_manager = ContiguousBlockManager(self.cache.num_blocks, block_size, self.max_model_len,
                                                         reserve=contiguous_reserve)
-        elif kv_allocator == "paged":
+        else:
             self.block_manager = BlockManager(self.cache.num_blocks, block_size, self.cache.num_cpu_blocks,
                                               watermark=cache_config.watermark,
                                               enable_prefix_caching=enable_prefix_caching)
-        else:
-            raise ValueError(f"kv_allocator must be 'paged' or 'contiguous', got {kv_allocator!r}")
         self.kv_allocator = kv_allocator
         self.track_fragmentation = track_fragmentation
         self.kv_history: list[KVBreakdown] = []   # one per step, if track_fragmentation

@@ -9,8 +9,12 @@ waits although there are enough free slots in total, because of how they lie.
 
 utilization = used / allocated. The "future" of a running sequence is known up to
 its horizon, min(prompt + max_tokens, max_model_len) - 1 slots (the last sampled
-token is never cached): a request that stops early at EOS turns reserved slots
-into internal ones after the fact, as in the paper's traces.
+token is never cached). Each step is classified from what is known at that step:
+a request that later stops early (EOS, a stop string, an abort) never writes the
+rest of its reservation, and the paper would count those slots as internal after
+the fact; here they stay "reserved" in the steps already recorded, so the waste
+reported is a lower bound on traces that stop early. (The bench's memory trace
+ignores EOS, so its requests reach their horizon.)
 """
 
 from __future__ import annotations

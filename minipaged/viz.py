@@ -21,7 +21,8 @@ class BlockView:
     block_id: int
     owners: list[str]                  # names of the sequences whose tables hold it
     slots: list[str | None]            # text of each slot's token, None if empty
-    state: str                         # "used", "free" or "cached" (free, contents kept for hits)
+    state: str                         # "used", "reserved" (held for a request, not yet mapped: the
+                                       # contiguous baseline), "free" or "cached" (free, contents kept)
 
 
 @dataclass
@@ -60,11 +61,18 @@ def snapshot(block_manager, sequences: dict[str, object], token_text=str) -> Poo
             old = contents.get(block, [None] * size)
             contents[block] = [a if a is not None else b for a, b in zip(text, old)]
         tables.append(view)
+    reserved_for = {}   # block -> name: held for a sequence's future tokens (contiguous baseline)
+    for name, seq in sequences.items():
+        if seq.seq_id in block_manager.tables:
+            for block in block_manager.reserved_blocks(seq):
+                reserved_for[block] = name
     cache = getattr(block_manager, "cache", None)
     blocks = []
     for block in range(block_manager.num_blocks):
         if block in owners:
             blocks.append(BlockView(block, owners[block], contents[block], "used"))
+        elif block in reserved_for:
+            blocks.append(BlockView(block, [reserved_for[block]], [None] * size, "reserved"))
         elif cache is not None and block in cache.evictable:
             blocks.append(BlockView(block, [], [token_text(t) for t in cache.tokens_of[block]], "cached"))
         elif block_manager.allocator.ref_counts[block] > 0:     # held but not by a named table
@@ -98,13 +106,17 @@ def render_text(view: PoolView, max_blocks: int = 64, cell: int = 6) -> str:
         parts = [f"{logical}->{physical}({filled})" for logical, physical, filled in table.entries]
         lines.append(f"  {table.name:>8}: " + " ".join(parts))
     used = sum(b.state == "used" for b in view.blocks)
+    reserved = sum(b.state == "reserved" for b in view.blocks)
     cached = sum(b.state == "cached" for b in view.blocks)
-    lines.append(f"physical pool: {used} used, {cached} cached, "
-                 f"{len(view.blocks) - used - cached} free of {len(view.blocks)} blocks")
+    lines.append(f"physical pool: {used} used, " + (f"{reserved} reserved, " if reserved else "")
+                 + f"{cached} cached, {len(view.blocks) - used - reserved - cached} free of "
+                 f"{len(view.blocks)} blocks")
     for block in view.blocks[:max_blocks]:
         if block.state == "free":
             continue
         who = ",".join(block.owners) if block.owners else "cache"
+        if block.state == "reserved":
+            who = f"reserved for {who}"
         shared = " shared" if len(block.owners) > 1 else ""
         slots = "|".join(_cell(t, cell) for t in block.slots)
         lines.append(f"  [{block.block_id:>3}] {slots}  <- {who}{shared}")
@@ -152,9 +164,12 @@ def render_svg(view: PoolView, title: str = "", max_blocks: int = 32) -> str:
         y += row_h + 4
     for block in pool:
         fill = colors.get(block.owners[0], "#999") if block.owners else ("#bbb" if block.state == "cached" else "#fff")
+        if block.state == "reserved":
+            fill = "#eee"
         block_row(right_x, pool_y[block.block_id], block.slots, fill, f"{block.block_id}")
         note = ("shared x%d" % len(block.owners)) if len(block.owners) > 1 else (
-            "cached, free" if block.state == "cached" else ("free" if block.state == "free" else ""))
+            "cached, free" if block.state == "cached" else ("free" if block.state == "free" else (
+                f"reserved for {block.owners[0]}" if block.state == "reserved" else "")))
         if note:
             out.append(f'<text x="{right_x + block_w + 8}" y="{pool_y[block.block_id] + 17}" '
                        f'fill="#555">{note}</text>')

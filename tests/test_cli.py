@@ -107,3 +107,33 @@ def test_chat_with_smollm2_answers():
                      "--kv-cache-space", "0.25", stdin="What is the capital of France?\n")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["bench", "throughput", "--prefix-len", "5"], "--prefix-len does not apply to the throughput workload"),
+    (["bench", "throughput", "--plot", "x.png"], "--plot draws the memory workload's KV pool"),
+    (["bench", "beam", "--peer", "hf"], "--peer runs one padded greedy batch"),
+    (["bench", "memory", "--enable-prefix-caching"], "has no prefix caching"),
+    (["generate", "hi", "--kv-allocator", "contiguous", "--enable-prefix-caching"],
+     "prefix caching needs the paged allocator"),
+    (["generate", "hi", "--seed", "-3"], "seed must be a non-negative integer"),
+    (["generate", "hi", "--log-stats-interval", "-1"], "log_stats_interval must be a number of seconds"),
+])
+def test_flags_that_cannot_work_are_refused_before_loading(tiny_model_dir, args, message):
+    result = run_cli(*args, "--model", str(tiny_model_dir), "--device", "cpu")
+    assert result.returncode == 1, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_chat_with_the_contiguous_allocator_leaves_prefix_caching_off(tiny_model_dir):
+    result = run_cli("chat", "--model", str(tiny_model_dir), "--device", "cpu", "--kv-allocator", "contiguous",
+                     "--max-model-len", "64", "--max-tokens", "4", "--temperature", "0", stdin="hello\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+
+
+def test_a_bad_log_level_falls_back_with_a_warning():
+    import os  # noqa: PLC0415
+    result = subprocess.run([sys.executable, "-c", "import minipaged"], capture_output=True, text=True,
+                            env=dict(os.environ, MINIPAGED_LOG_LEVEL="loud"))
+    assert result.returncode == 0 and "is not a log level" in result.stderr

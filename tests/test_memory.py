@@ -148,6 +148,19 @@ def test_text_and_svg_pictures_from_engine_state(tiny_model_dir):
     assert svg.count("<line") == sum(len(t.entries) for t in view.tables)
 
 
+def test_pictures_show_the_contiguous_reservation(tiny_model_dir):
+    engine = LLMEngine(str(tiny_model_dir), device="cpu", block_size=4, num_blocks=32, kv_allocator="contiguous",
+                       max_model_len=40)
+    engine.add_request("A", {"prompt_token_ids": list(range(7))}, SamplingParams(max_tokens=4, temperature=0))
+    engine.step()
+    view = engine_snapshot(engine)
+    seq = engine.groups["A"].seqs[0]
+    reserved = [b.block_id for b in view.blocks if b.state == "reserved"]
+    # the run is 40 slots = 10 blocks: 2 mapped by A's table, the other 8 held for its future tokens
+    assert reserved == engine.block_manager.reserved_blocks(seq) and len(reserved) == 8
+    assert "8 reserved" in render_text(view) and "reserved for A" in render_svg(view)
+
+
 def test_the_docs_figures_are_up_to_date(tmp_path):
     """docs/img/*.svg are drawn from real block-manager state by docs/make_figures.py."""
     done = subprocess.run([sys.executable, str(ROOT / "docs" / "make_figures.py")], capture_output=True,

@@ -2,7 +2,8 @@
 
 Each tutorial asserts its own key facts, so a zero exit code already means the
 engine behaves as the narrative claims; the lines checked here make sure the
-lesson's main points were actually printed.
+lesson's main points were actually printed. Every tutorial in tutorials/ must
+have a test here and must end with exercises for the reader.
 """
 
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+TUTORIALS = sorted(p.name for p in (ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
 
 
 def run_tutorial(name: str, timeout: float = 300) -> str:
@@ -23,37 +25,22 @@ def run_tutorial(name: str, timeout: float = 300) -> str:
     assert result.returncode == 0, (
         f"{name} exited with {result.returncode}\n--- stdout ---\n{result.stdout[-3000:]}"
         f"\n--- stderr ---\n{result.stderr[-3000:]}")
+    assert "\nExercises:\n" in result.stdout, f"{name} prints no exercises"
     return result.stdout
 
 
-def test_01_page_tables():
-    out = run_tutorial("01_page_tables.py")
-    assert "request A: 7 tokens -> logical blocks 0..1 live in physical blocks [0, 1], fills [4, 3]" in out
-    assert "'brought'  new block needed: True" in out
-    assert "-> physical block 5 -> slot 20" in out
-    assert "caught: device block" in out
-    assert "used 0, free 8 of 8" in out
-
-
-def test_02_paged_attention():
-    out = run_tutorial("02_paged_attention.py")
-    assert "query_start_loc [0, 6, 7]" in out
-    assert "max |kernel - spec|" in out and "max |kernel - dense|" in out
-    assert "D's query heads that changed: [2, 3]" in out
+def test_every_tutorial_is_tested_and_listed():
+    tested = {name[len("test_"):len("test_t00")] for name in globals() if name.startswith("test_t")}
+    readme = (ROOT / "tutorials" / "README.md").read_text()
+    assert len(TUTORIALS) >= 13, TUTORIALS
+    for name in TUTORIALS:
+        assert f"t{name[:2]}" in tested, f"no test for tutorials/{name}"
+        assert f"`{name}`" in readme, f"tutorials/README.md does not list {name}"
 
 
 @pytest.mark.slow
-def test_03_continuous_batching():
-    out = run_tutorial("03_continuous_batching.py")
-    assert "steps mixing a prefill with decodes: [" in out
-    assert "preemption_mode='recompute'" in out
-    assert "PREEMPTED" in out and "re-prefilled" in out
-    assert "identical: False" not in out and out.count("identical: True") == 4
-
-
-@pytest.mark.slow
-def test_04_generate_and_chat():
-    out = run_tutorial("04_generate_and_chat.py")
+def test_t00_quickstart():
+    out = run_tutorial("00_quickstart.py")
     assert "inside a batch: identical to seed 1 alone = True" in out
     assert "finish_reason=stop, stop_reason=" in out
     assert "<|im_start|>assistant" in out                 # the chat template was applied
@@ -61,26 +48,116 @@ def test_04_generate_and_chat():
 
 
 @pytest.mark.slow
-def test_05_swapping_and_chunked_prefill():
-    out = run_tutorial("05_swapping_and_chunked_prefill.py")
-    assert "  out [(" in out and "  in [(" in out        # the swap plans were shown
-    assert "before swap-out: True" in out and "before swap-out: False" not in out
-    assert "-> recompute" in out and "-> swap" in out   # auto used both, by the rule
-    assert out.count("same in all three as the big pool: True") == 3
-    assert "its first token came at step" in out
-    assert "tokens without chunking, 16 with" in out
-    assert "outputs with and without chunking identical: True" in out
+def test_t01_two_phases_and_the_kv_cache():
+    out = run_tutorial("01_two_phases_and_the_kv_cache.py")
+    assert "prefill step: 256 prompt tokens in, 1 token sampled" in out
+    assert "LLaMA-13B in fp16: 2 x 40 x 40 x 128 x 2 = 819,200 bytes per token (800 KiB)" in out
+    assert "KV space, 30% of the card: 12.00 GB -> 14,648 tokens -> 7 sequences of 2048 tokens" in out
+    assert "94,371,840 bytes / (128 blocks x 16 slots) = 46,080 bytes per token" in out
+    assert "in float16 (the GPU default): 23,040 bytes per token (22.5 KiB)" in out
 
 
 @pytest.mark.slow
-def test_06_sharing_memory():
-    out = run_tutorial("06_sharing_memory.py")
+def test_t02_fragmentation():
+    out = run_tutorial("02_fragmentation.py")
+    assert "contiguous, reserve max_model_len, after step 3: running ['C', 'B'], waiting ['A', 'D', 'E', 'F']" in out
+    assert "D needs 10 contiguous blocks; 10 blocks are free, in runs of 4 (blocks 0-3), 6 (blocks 18-23)" in out
+    assert "so 40 free slots are stranded (external fragmentation) and D waits" in out
+    assert "paging finished the trace in 33 steps, against 46 and 52" in out
+    assert "identical outputs for all 6 requests: True" in out
+
+
+@pytest.mark.slow
+def test_t03_blocks_and_block_tables():
+    out = run_tutorial("03_blocks_and_block_tables.py")
+    assert "request A: 7 tokens -> logical blocks 0..1 live in physical blocks [0, 1], fills [4, 3]" in out
+    assert "'brought'  new block needed: True" in out
+    assert "-> physical block 5 -> slot 20" in out
+    assert "caught: device block" in out
+    assert "used 0, free 8 of 8" in out
+    # the walk-through drawn from the real engine: A's page table and its first block's tokens
+    assert "A: 0->0(4) 1->1(3)" in out and "[  0] Four  |␣score|␣and  |␣seven  <- A" in out
+    assert "both finished: 0 blocks in use" in out
+
+
+def test_t04_paged_attention_kernel():
+    out = run_tutorial("04_paged_attention_kernel.py")
+    assert "query_start_loc [0, 6, 7]" in out
+    assert "max |kernel - spec|" in out and "max |kernel - dense|" in out
+    assert "D's query heads that changed: [2, 3]" in out
+    assert "Numba tiles (sequence, first row) [[0, 0], [1, 6]]" in out
+    assert "paged_prefill on the mixed batch: max |cuda - spec|" in out
+    assert "3 partitions of 512 (split-K) + reduce" in out
+
+
+@pytest.mark.slow
+def test_t05_continuous_batching():
+    out = run_tutorial("05_continuous_batching.py")
+    assert "steps mixing a prefill with decodes: [" in out
+    assert "static batching:     23 steps" in out
+    assert "same greedy tokens either way: True" in out
+
+
+@pytest.mark.slow
+def test_t06_parallel_sampling():
+    out = run_tutorial("06_parallel_sampling.py")
     # three tables mapping the same blocks, and the prompt computed once
     assert re.search(r"ref counts \[3(, 3)*\]; prompt tokens computed: (\d+), not 3 x \2\n", out)
     assert "copy-on-write plan blocks_to_copy [(" in out
     assert out.count("== n=1 with seed derive_seed(") == 3 and ": False" not in out
+    assert "(kv_blocks_unshared_peak)" in out
+
+
+@pytest.mark.slow
+def test_t07_beam_search():
+    out = run_tutorial("07_beam_search.py")
     assert "forked {" in out and "pruned [" in out
     assert "the same 4 ranked beams as LLM.beam_search: True" in out
+    assert "peak blocks: " in out
+
+
+@pytest.mark.slow
+def test_t08_out_of_memory():
+    out = run_tutorial("08_out_of_memory.py")
+    assert "PREEMPTED" in out and "came back and re-prefilled" in out
+    assert "  out [(" in out and "  in [(" in out        # the swap plans were shown
+    assert "before swap-out: True" in out and "before swap-out: False" not in out
+    assert "-> recompute" in out and "-> swap" in out   # auto used both, by the rule
+    assert out.count("same in all three as the big pool: True") == 3
+
+
+@pytest.mark.slow
+def test_t09_prefix_caching():
+    out = run_tutorial("09_prefix_caching.py")
     assert "found in the cache" in out and "blocks revived from the LRU" in out
     assert "outputs identical with caching off: True" in out
-    assert "kv_blocks_peak  unshared_peak" in out
+    assert "the engine without caching really peaked at" in out
+
+
+@pytest.mark.slow
+def test_t10_chunked_prefill():
+    out = run_tutorial("10_chunked_prefill.py")
+    assert "its first token came at step" in out
+    assert "largest step: 66 tokens without chunking, 16 with" in out
+    assert "outputs with and without chunking identical: True" in out
+    assert "the decodes' worst wait for a token" in out and "outputs identical: True" in out
+
+
+@pytest.mark.slow
+def test_t11_choosing_a_block_size():
+    out = run_tutorial("11_choosing_a_block_size.py", timeout=600)
+    assert "block_size 16: empty slots [7, 14, 3, 12, 14, 9, 4, 7]  total  70" in out
+    assert "block_size  4: entries per sequence [15, 13, 12, 9, 9, 6, 7, 7]  (longest 15); widest block_tables row 15" in out
+    assert "block sizes that had to preempt or make requests wait: [32, 64]" in out
+    assert "the greedy outputs are identical for all five block sizes: True" in out
+    assert "block_size 64: 114 shared tokens; each later request found  64 =  1 x 64 in the cache" in out
+
+
+@pytest.mark.slow
+def test_t12_production_knobs():
+    out = run_tutorial("12_production_knobs.py")
+    assert "exit code 1, stderr: 'error: block_size must be a power of two between 1 and 256, got 12'" in out
+    assert "CPU: kv_cache_space=0.25 GiB -> 364 blocks (5824 token slots); swap_space=0.125 GiB -> 182 CPU blocks" in out
+    assert "first token at step [1, 1, 1, 9, 9, 9, 17, 17]" in out
+    assert "swap, swap_space 2 blocks       80       1    0      1          0        2           384" in out
+    assert "only 99 usable blocks" in out

@@ -1,28 +1,24 @@
-"""Tutorial 3: continuous batching and preemption on the real model.
+"""Tutorial 5: many requests, one pool: continuous batching.
 
 Goal: step LLMEngine by hand on SmolLM2-135M-Instruct and watch the scheduler
 work: requests of different lengths are admitted (prefill), decode together one
 token per step, leave as soon as they finish, and a late arrival joins the
-running batch at once. Then shrink the KV pool until the engine has to preempt,
-and check that preemption by recomputation changes no output token.
+running batch at once. Then measure what that buys over static batching, where
+a batch must finish completely before the next one starts.
 
 The OS analogy: the scheduler is the process scheduler and the block manager
-the memory manager. A running process asks for one more page per step; when
-memory runs out, the youngest process is killed and restarted later from its
-saved state (its tokens): the engine drops its KV blocks and recomputes them.
-Here preemption_mode="recompute" asks for exactly that. The engine can also
-swap the blocks out to CPU memory and back, as an OS pages a process out; its
-default, "auto", swaps long requests and recomputes short ones. Tutorial 5
-shows both.
+the memory manager. Every step is a scheduling tick: each running process (a
+request) gets one quantum (one token), a new process can be admitted at any
+tick if memory allows, and an exiting process returns its frames (KV blocks) at
+once, for the next one to use. What happens when memory runs out is tutorial 8.
 
-Run it:  python tutorials/03_continuous_batching.py
+Run it:  python tutorials/05_continuous_batching.py
 (MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
 """
 
 import os
 
 from minipaged import LLMEngine, SamplingParams
-from minipaged.block_manager import blocks_for
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
 # request id: (prompt, max_tokens). EOS is ignored, so each length is exact.
@@ -105,53 +101,47 @@ assert all(len(big_tokens[rid]) == n for rid, (_, n) in REQUESTS.items())
 # Each step decodes every running request at once: far fewer steps than generated tokens.
 assert stats["num_steps"] < sum(n for _, n in REQUESTS.values())
 
-TINY_BLOCK = 4
-print(f"\n3. A tiny pool: block_size {TINY_BLOCK}, just enough blocks for the first three prompts, "
-      "preemption_mode='recompute'")
-# The pool is full right after the first prefills. Each request then writes at
-# least 4 more positions (max_tokens >= 5; the last sampled token is never
-# written), and 4 consecutive positions always start a new block of 4, so
-# someone asks for a block before anyone has finished and freed one.
-assert min(n for _, n in REQUESTS.values()) >= TINY_BLOCK + 1
-tiny_blocks = sum(blocks_for(prompt_len[rid], TINY_BLOCK) for rid in REQUESTS if rid != LATE)
-tiny = LLMEngine(MODEL, device="cpu", block_size=TINY_BLOCK, num_blocks=tiny_blocks,
-                 preemption_mode="recompute")  # drop a victim's blocks, never swap them
-print(f"  {tiny_blocks} blocks = {tiny_blocks * TINY_BLOCK} token slots; the longest request alone needs "
-      f"{max(prompt_len[rid] + n - 1 for rid, (_, n) in REQUESTS.items())}, all four together "
-      f"{sum(prompt_len[rid] + n - 1 for rid, (_, n) in REQUESTS.items())}")
-small_tokens, tiny_plans = run(tiny)
-tiny_stats = tiny.get_stats()
-print(f"  {tiny_stats['num_steps']} steps, {tiny_stats['num_preemptions']} preemptions, "
-      f"peak {tiny_stats['kv_blocks_peak']}/{tiny_blocks} blocks")
-assert tiny_stats["num_preemptions_recompute"] == tiny_stats["num_preemptions"] > 0
-assert tiny_stats["blocks_swapped_out"] == 0 and tiny_stats["kv_blocks_used"] == 0
-# Admission is strict first-come-first-served: a request that does not fit blocks those behind it.
-first_run = {}
-for i, p in enumerate(tiny_plans, start=1):
-    for s in p.scheduled:
-        first_run.setdefault(s.group.request_id, i)
-waited = {rid: first_run[rid] - (LATE_STEP if rid == LATE else 1) for rid in REQUESTS}
-print(f"  steps each request waited before its first prefill: {waited}")
-assert any(waited.values())
+print("\n3. Continuous against static batching: 8 requests, at most 4 running at once")
+# Static batching (what a plain model server does): take 4 requests, run them until the LAST one
+# finishes, then take the next 4. Finished requests sit in the batch doing nothing. Continuous
+# batching refills a slot the step after it frees up.
+LENGTHS = [3, 12, 4, 9, 2, 11, 5, 8]          # max_tokens of each request (EOS ignored)
+PROMPT = "Write a list of fruits:"
+batch_params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in LENGTHS]
 
-print("\n4. What recomputation costs: a preempted request prefills its prompt AND its output again")
-redo = [(s.group.request_id, s.num_new_tokens) for p in tiny_plans for s in p.scheduled
-        if s.is_prefill and s.num_new_tokens > prompt_len[s.group.request_id]]
-for rid, n in redo:
-    print(f"  {rid} re-prefilled {n} tokens: {prompt_len[rid]} prompt + {n - prompt_len[rid]} generated")
-assert redo
-victims = [g.request_id for p in tiny_plans for g in p.preempted]
-for rid in sorted(set(victims)):
-    print(f"  {rid} was preempted {victims.count(rid)} time(s)")
-if max(victims.count(rid) for rid in victims) > 1:
-    # Admission keeps only `watermark_blocks` free for the running requests to grow into.
-    print(f"  admission kept {tiny.block_manager.watermark_blocks} of {tiny_blocks} blocks in reserve, "
-          "so a request re-admitted into a full pool can be evicted again at once")
-assert len(victims) == tiny_stats["num_preemptions"]
 
-print("\n5. Same greedy tokens, big pool or tiny pool")
-for rid in REQUESTS:
-    same = big_tokens[rid] == small_tokens[rid]
-    print(f"  {rid}: {tiny.tokenizer.decode(small_tokens[rid])!r:45} identical: {same}")
-    assert same, (rid, big_tokens[rid], small_tokens[rid])
-print("\nDone: continuous batching admits work every step; preemption trades compute for memory.")
+def occupancy(engine: LLMEngine, groups_of: list[list[int]]) -> tuple[int, list[int], dict]:
+    """Run the requests in the given groups (a group starts when the previous one is done);
+    return the steps taken, the requests running after each step and the outputs."""
+    steps, running, done = 0, [], {}
+    for group in groups_of:
+        for i in group:
+            engine.add_request(f"r{i}", PROMPT, batch_params[i])
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+            steps += 1
+            running.append(len(engine.scheduler.running))
+    return steps, running, done
+
+
+cont_engine = LLMEngine(MODEL, device="cpu", block_size=8, num_blocks=64, max_num_seqs=4)
+cont_steps, cont_running, cont_out = occupancy(cont_engine, [list(range(len(LENGTHS)))])
+static_engine = LLMEngine(MODEL, device="cpu", block_size=8, num_blocks=64, max_num_seqs=4)
+static_steps, _, static_out = occupancy(static_engine, [[0, 1, 2, 3], [4, 5, 6, 7]])
+# Under static batching each group occupies 4 slots until its longest member is done.
+static_slot_steps = 4 * (max(LENGTHS[:4]) + max(LENGTHS[4:]))
+print(f"  output lengths {LENGTHS} = {sum(LENGTHS)} tokens")
+print(f"  static batching:     {static_steps} steps; slots held {static_slot_steps} slot-steps for "
+      f"{sum(LENGTHS)} tokens ({sum(LENGTHS) / static_slot_steps:.0%} busy)")
+print(f"  continuous batching: {cont_steps} steps; running per step {cont_running}")
+print(f"  continuous batching finished in {static_steps - cont_steps} fewer steps")
+assert static_steps == max(LENGTHS[:4]) + max(LENGTHS[4:])   # one prefill step gives each first token
+assert cont_steps < static_steps and max(cont_running) == 4
+print(f"  same greedy tokens either way: {cont_out == static_out}")
+assert cont_out == static_out and len(cont_out) == len(LENGTHS)
+print("\nDone: continuous batching admits work every step and frees memory the moment a request ends.")
+print("""
+Exercises:
+  1. Change LENGTHS to eight equal values. How many steps does each policy take now, and why is
+     continuous batching's advantage all about unequal lengths?
+  2. Give max_num_seqs=2 to the continuous engine. How do the steps and the running list change?""")

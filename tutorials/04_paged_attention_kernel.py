@@ -1,21 +1,27 @@
-"""Tutorial 2: the paged attention kernel.
+"""Tutorial 4: the paged attention kernel, three ways.
 
 Goal: put keys and values for two sequences into a small KV pool at scattered
 physical blocks, run minipaged's CPU kernel on one flattened batch (a prefill
 and a decode together), and check it three ways: against the NumPy spec
 (kernels/reference.py), against plain dense causal attention on contiguous
-arrays, and against itself after moving the data to other blocks.
+arrays, and against itself after moving the data to other blocks. Then see how
+the Numba CPU kernel splits the work, read the CUDA C kernel the GPU runs
+(kernels/paged_attention.cu), and run that very source on the CPU through the
+test harness (kernels/cuda_harness.py), which compiles it with g++ and runs one
+OS thread per CUDA thread: no GPU needed.
 
 The OS analogy: the kernel is the MMU. A program (attention) reads "token j of
 my context"; the hardware walks the page table (the block table) to find the
 frame and offset, so the program never knows, or cares, where its memory lives.
 
-Run it:  python tutorials/02_paged_attention.py
+Run it:  python tutorials/04_paged_attention_kernel.py   (steps 10-11 need g++)
 """
+
+from pathlib import Path
 
 import numpy as np
 
-from minipaged.kernels import cpu, reference
+from minipaged.kernels import cpu, cuda, reference
 from minipaged.kernels.layout import KEY, VALUE, AttentionMetadata, kv_cache_shape
 
 rng = np.random.default_rng(0)
@@ -129,4 +135,74 @@ out_moved = cpu.paged_attention(q, moved_kv[0, KEY], moved_kv[0, VALUE], moved_m
 print(f"  new block tables {moved_meta.block_tables.tolist()}; "
       f"max |difference| = {np.abs(out_moved - out).max():.2e}")
 assert np.allclose(out_moved, out, atol=1e-6)
-print("\nDone: one kernel call served a prefill and a decode, reading K/V through block tables.")
+
+print("\n9. Inside the Numba CPU kernel: how one call splits its work")
+# kernels/cpu.py plans once per step (every layer reuses the plan): sequences with many query
+# rows (prompts) gather their blocks and use two BLAS products; the rest (decodes, short
+# chunks) go to the Numba kernel in tiles of up to QUERY_TILE query rows of one sequence, so a
+# thread walks each K/V block once for the whole tile. Tiles run in parallel (prange).
+plan = cpu.plan_attention(meta)
+print(f"  this batch: BLAS sequences {plan.blas_seqs.tolist()}, Numba tiles (sequence, first row) "
+      f"{plan.work.tolist()}")
+assert plan.blas_seqs.tolist() == [] and plan.work.tolist() == [[0, 0], [1, 6]]
+long_q = [40, 1, 1]           # a 40-token prompt next to two decodes (planning needs no data)
+big_meta = AttentionMetadata(
+    slot_mapping=np.zeros(sum(long_q), np.int64),
+    query_start_loc=np.concatenate([[0], np.cumsum(long_q)]).astype(np.int32),
+    seq_lens=np.array([40, 30, 50], np.int32), block_tables=np.zeros((3, 13), np.int32),
+    max_query_len=40, max_seq_len=50)
+big_plan = cpu.plan_attention(big_meta)
+print(f"  a 40-token prompt + 2 decodes: BLAS sequences {big_plan.blas_seqs.tolist()} "
+      f"(>= {cpu.BLAS_MIN_QUERIES} query rows), Numba tiles {big_plan.work.tolist()}")
+assert big_plan.blas_seqs.tolist() == [0] and big_plan.work[:, 0].tolist() == [1, 2]
+
+print("\n10. The CUDA C kernel: read it")
+source = (Path(cuda.__file__).parent / "paged_attention.cu").read_text()
+header = [line for line in source.splitlines()[:18] if line.startswith("//")]
+print("  kernels/paged_attention.cu opens with its map:")
+for line in header:
+    print("    " + line)
+# CudaOps is the GPU backend's host code; the harness build of it launches the same kernels on the CPU.
+ops = cuda.cpu_harness_ops()   # g++ compiles each .cu once (cached in the temp directory)
+gpu_plan = ops.plan_attention(meta)
+decode_meta = AttentionMetadata(meta.slot_mapping[6:], np.array([0, 1], np.int32), meta.seq_lens[1:],
+                                block_tables[1:], 1, int(meta.seq_lens[1]))
+decode_plan = ops.plan_attention(decode_meta)
+print(f"  our mixed batch is not decode-only ({gpu_plan.decode_only}): paged_prefill, grid = "
+      f"({len(gpu_plan.tiles)} tiles, {NUM_HEADS} heads), {cuda.NUM_WARPS * 32} threads per block")
+print(f"  D alone is decode-only ({decode_plan.decode_only}): paged_decode, grid = ({NUM_HEADS} heads, "
+      f"1 sequence, {decode_plan.num_partitions} partition)")
+assert not gpu_plan.decode_only and decode_plan.decode_only and decode_plan.num_partitions == 1
+
+print("\n11. Run the CUDA C source on the CPU (the harness: one OS thread per CUDA thread)")
+cuda_out = ops.paged_attention(q, k_cache, v_cache, meta, SCALE)
+print(f"  paged_prefill on the mixed batch: max |cuda - spec| = {np.abs(cuda_out - spec).max():.2e}")
+assert np.allclose(cuda_out, spec, atol=1e-5)
+cuda_decode = ops.paged_attention(q[6:7], k_cache, v_cache, decode_meta, SCALE)
+print(f"  paged_decode on D alone:        max |cuda - spec| = {np.abs(cuda_decode - spec[6:7]).max():.2e}")
+assert np.allclose(cuda_decode, spec[6:7], atol=1e-5)
+# A long context splits into PARTITION_SIZE pieces (split-K): each thread block does one
+# piece with its own online softmax, and paged_decode_reduce merges them by their max and sum.
+LONG_BLOCK, LONG_LEN = 16, 1100
+n_blocks = -(-LONG_LEN // LONG_BLOCK)
+pool = rng.standard_normal((2, n_blocks + 3, NUM_KV_HEADS, LONG_BLOCK, HEAD_DIM)).astype(np.float32)
+long_meta = AttentionMetadata(np.zeros(1, np.int64), np.array([0, 1], np.int32),
+                              np.array([LONG_LEN], np.int32),
+                              rng.permutation(n_blocks + 3)[None, :n_blocks].astype(np.int32), 1, LONG_LEN)
+long_plan = ops.plan_attention(long_meta)
+q_long = rng.standard_normal((1, NUM_HEADS, HEAD_DIM)).astype(np.float32)
+long_out = ops.paged_attention(q_long, pool[0], pool[1], long_meta, SCALE)
+long_spec = reference.paged_attention(q_long, pool[0], pool[1], long_meta.block_tables, long_meta.seq_lens,
+                                      long_meta.query_start_loc, SCALE)
+print(f"  a {LONG_LEN}-token context: {long_plan.num_partitions} partitions of {cuda.PARTITION_SIZE} "
+      f"(split-K) + reduce: max |cuda - spec| = {np.abs(long_out - long_spec).max():.2e}")
+assert long_plan.num_partitions == -(-LONG_LEN // cuda.PARTITION_SIZE) and np.allclose(long_out, long_spec, atol=1e-5)
+print("\nDone: one kernel call served a prefill and a decode, reading K/V through block tables;")
+print("the NumPy spec, the Numba kernel and the CUDA C kernel agree.")
+print("""
+Exercises:
+  1. Set NUM_KV_HEADS = 4 (plain multi-head attention, no sharing) and rerun. Which query heads
+     does step 7 show changing now, and how much bigger is the pool for the same tokens?
+  2. In kernels/paged_attention.cu, paged_decode hands KV blocks to warps in turn. For a
+     100-token context with block_size 16, which blocks does warp 2 read? Check your answer by
+     printing `b` for each warp in a small Python loop written from the kernel's for statement.""")

@@ -1,7 +1,9 @@
-"""Tutorial 1: page tables by hand.
+"""Tutorial 3: blocks and block tables.
 
 Goal: drive minipaged's memory manager yourself, with no model, and watch a
-request's tokens get physical addresses.
+request's tokens get physical addresses; then run the real engine on the
+classic walk-through ("Four score and seven years ago our", block size 4) and
+draw its pool and page tables from the engine's own state.
 
 The OS analogy: the KV pool is physical memory cut into frames (KV blocks of
 ``block_size`` token slots). Each sequence is a process with a page table
@@ -12,13 +14,17 @@ frame back when the process exits. Because frames can be anywhere, nothing has
 to be reserved in advance, and at most one partly filled block per sequence is
 wasted.
 
-Run it:  python tutorials/01_page_tables.py
+Run it:  python tutorials/03_blocks_and_block_tables.py
+(MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model for step 11.)
 """
 
+import os
+
+from minipaged import LLMEngine, SamplingParams
 from minipaged.block_allocator import BlockAllocator
 from minipaged.block_manager import AllocStatus, BlockManager, blocks_for
-from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
+from minipaged import viz
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 8
@@ -150,4 +156,36 @@ for group in (req_b, later):
 bm.check_invariants()
 print(f"  used {bm.num_used_blocks}, free {bm.num_free_blocks} of {bm.num_blocks}")
 assert bm.num_free_blocks == NUM_BLOCKS and not bm.tables
+
+MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
+print(f"\n11. The same walk-through on the real engine ({MODEL}), block_size {BLOCK_SIZE}, drawn from its state")
+# minipaged.viz reads the block manager and the running sequences; nothing is drawn by hand.
+engine = LLMEngine(MODEL, device="cpu", block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+engine.add_request("A", "Four score and seven years ago our", greedy)
+for step in range(1, 4):
+    if step == 2:
+        engine.add_request("B", "It was the best of times", greedy)
+    engine.step()
+    view = viz.engine_snapshot(engine)
+    print(f"  --- after step {step} ---")
+    print("  " + viz.render_text(view).replace("\n", "\n  "))
+    bm = engine.block_manager
+    for table in view.tables:  # the picture is the block manager's own page tables
+        seq = engine.groups[table.name].seqs[0]
+        assert [physical for _, physical, _ in table.entries] == bm.block_table(seq)
+        assert sum(filled for _, _, filled in table.entries) == seq.num_computed_tokens
+a_seq = engine.groups["A"].seqs[0]
+a_text = [engine.tokenizer.decode([t]) for t in a_seq.token_ids[:4]]
+first = next(b for b in view.blocks if b.block_id == bm.block_table(a_seq)[0])
+print(f"  A's first block holds the K/V of {a_text}; its table {bm.block_table(a_seq)}")
+assert first.slots == a_text
+while engine.has_unfinished_requests():
+    engine.step()
+print(f"  both finished: {engine.get_stats()['kv_blocks_used']} blocks in use")
 print("\nDone: page tables, slots and fragmentation, all from the real block manager.")
+print("""
+Exercises:
+  1. Rerun step 11 with block_size 8 and then 1. How many blocks does each request map, and how
+     many slots sit empty in its last block? What does block_size 1 cost the page table?
+  2. In step 8, free B before A instead. Which frames does D get now, and why?""")

@@ -1,19 +1,21 @@
-"""Tutorial 5: swapping, "auto" preemption and chunked prefill on the real model.
+"""Tutorial 8: running out of memory: FCFS, preemption, swap against recompute.
 
-Goal: tutorial 3 preempted a request by dropping its KV cache and recomputing
-it. Here the engine pages its blocks out to a swap pool in CPU memory and back
-in, bit for bit; preemption_mode="auto" picks swap or recomputation per request;
-and chunked prefill spreads a long prompt over several steps so the requests
-already decoding are never held up by it. Every variant produces the same
-greedy tokens as a pool big enough never to preempt.
+Goal: give the engine a KV pool too small for its requests and watch what it
+does. Admission is first come, first served; when a running request needs a
+block and none is free, the request that arrived LAST is preempted. Its blocks
+are either dropped and recomputed later from its tokens (preemption_mode=
+"recompute"), or paged out to a swap pool in CPU memory and back in, bit for
+bit ("swap"); "auto", the default, picks per request. Every variant produces
+the same greedy tokens as a pool big enough never to preempt, and get_stats()
+says what each one cost.
 
 The OS analogy: swapping is paging a whole process out to the swap partition;
 recomputation is killing it and re-running it from its input. An OS must swap,
 but an engine can re-run a request from its tokens, which for a short one costs
-less than copying its pages. Chunked prefill is time slicing: a long job gets
-one quantum per tick instead of holding the processor until it is done.
+less than copying its pages. FCFS with "youngest out first" keeps the oldest
+requests moving, so none of them starves.
 
-Run it:  python tutorials/05_swapping_and_chunked_prefill.py
+Run it:  python tutorials/08_out_of_memory.py
 (MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
 """
 
@@ -98,8 +100,27 @@ big = LLMEngine(MODEL, device="cpu", block_size=BLOCK, num_blocks=64)
 prompt_len = {rid: len(big.tokenize(p).token_ids) for rid, (p, _) in REQUESTS.items()}
 expected, _ = run(big, REQUESTS)  # the reference: this pool never preempts
 tiny_blocks = sum(blocks_for(prompt_len[rid], BLOCK) for rid in REQUESTS)
-print(f"1. Swapping ({MODEL}): prompts of {prompt_len} tokens, block_size {BLOCK}, "
-      f"{tiny_blocks} device blocks (just the prompts), preemption_mode='swap'")
+print(f"1. FCFS and preemption by recomputation ({MODEL}): prompts of {prompt_len} tokens, "
+      f"block_size {BLOCK}, {tiny_blocks} device blocks (just the prompts)")
+recompute = LLMEngine(MODEL, device="cpu", block_size=BLOCK, num_blocks=tiny_blocks,
+                      preemption_mode="recompute")  # drop a victim's blocks, never swap them
+results = {"recompute": run(recompute, REQUESTS)}
+arrival = list(REQUESTS)
+for i, rec in enumerate(results["recompute"][1], start=1):
+    plan, s = rec["plan"], rec["stats"]
+    queues = "  ".join(f"{q} {' '.join(ids) or '-':5}" for q, ids in rec["queues"].items() if q != "swapped")
+    print(f"  step {i:2}  ran {work(plan):12} {queues} blocks {s['kv_blocks_used']:2}/{s['kv_blocks_total']}"
+          + "".join(f"  PREEMPTED {rid} ({held} tokens dropped)" for rid, _, held in rec["preempted"]))
+    for rid, _, _ in rec["preempted"]:  # the victim arrived after every request still running
+        assert all(arrival.index(rid) > arrival.index(r) for r in rec["queues"]["running"]), (rid, rec["queues"])
+redo = [(x.group.request_id, x.num_new_tokens) for rec in results["recompute"][1] for x in rec["plan"].scheduled
+        if x.is_prefill and x.num_new_tokens > prompt_len[x.group.request_id]]
+for rid, n in redo:
+    print(f"  {rid} came back and re-prefilled {n} tokens: its {prompt_len[rid]} prompt tokens + "
+          f"{n - prompt_len[rid]} it had generated")
+assert redo and recompute.get_stats()["num_preemptions_recompute"] > 0
+
+print("\n2. Swapping: the same pool, preemption_mode='swap'")
 swap = LLMEngine(MODEL, device="cpu", block_size=BLOCK, num_blocks=tiny_blocks, swap_space=SWAP_GIB,
                  preemption_mode="swap")
 c, bpb, item = swap.model_config, swap.cache.bytes_per_block, swap.cache.kv_cache.dtype.itemsize
@@ -107,7 +128,7 @@ print(f"  a block: {BLOCK} tokens x {c.num_hidden_layers} layers x K,V x {c.num_
       f"{c.head_dim} x {item} bytes = {bpb} bytes; swap_space {SWAP_GIB} GiB = "
       f"{swap.cache.num_cpu_blocks} CPU blocks")
 assert bpb == BLOCK * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * item
-results = {"swap": run(swap, REQUESTS)}
+results["swap"] = run(swap, REQUESTS)
 for i, rec in enumerate(results["swap"][1], start=1):
     plan, s = rec["plan"], rec["stats"]
     queues = "  ".join(f"{q} {' '.join(ids) or '-':5}" for q, ids in rec["queues"].items())
@@ -121,10 +142,10 @@ for i, rec in enumerate(results["swap"][1], start=1):
 verified = [same for rec in results["swap"][1] for _, _, same in rec["verified"]]
 assert verified and all(verified) and swap.get_stats()["num_preemptions_recompute"] == 0
 
-print(f"\n2. preemption_mode='auto': a victim holding <= AUTO_RECOMPUTE_MAX_TOKENS = "
+print(f"\n3. preemption_mode='auto': a victim holding <= AUTO_RECOMPUTE_MAX_TOKENS = "
       f"{AUTO_RECOMPUTE_MAX_TOKENS} tokens is recomputed (one short prefill), a longer one swapped")
-engines = {"swap": swap}
-for mode in ("recompute", "auto"):
+engines = {"swap": swap, "recompute": recompute}
+for mode in ("auto",):
     engines[mode] = LLMEngine(MODEL, device="cpu", block_size=BLOCK, num_blocks=tiny_blocks,
                               swap_space=SWAP_GIB, preemption_mode=mode)
     results[mode] = run(engines[mode], REQUESTS)
@@ -136,7 +157,7 @@ for i, rid, how, held in events:
     assert how == ("recompute" if held <= AUTO_RECOMPUTE_MAX_TOKENS else "swap")
 assert {how for _, _, how, _ in events} == {"swap", "recompute"}
 
-print("\n3. The same workload three ways: what preemption cost (re-prefilled = prefill beyond the prompts)")
+print("\n4. The same workload three ways: what preemption cost (re-prefilled = prefill beyond the prompts)")
 print(f"  {'mode':10} {'steps':>5} {'swaps':>5} {'recomputes':>10} {'re-prefilled':>12} "
       f"{'blocks out/in':>13} {'MiB out/in':>11}")
 cost = {}
@@ -155,33 +176,11 @@ for rid in REQUESTS:
     print(f"  {rid}: {big.tokenizer.decode(expected[rid])!r:38} same in all three as the big pool: {same}")
     assert same, rid
 
-BUDGET, ARRIVE = 16, {"L": 2}
-print(f"\n4. Chunked prefill: a {prompt_len['B']}-token prompt L arrives at step {ARRIVE['L']} "
-      "while S1 and S2 decode")
-CHUNK_REQUESTS = {"S1": ("The three primary colors are", 7), "S2": ("Once upon a time,", 7), "L": (LONG, 2)}
-chunked = LLMEngine(MODEL, device="cpu", block_size=BLOCK, num_blocks=64, max_num_seqs=4,
-                    enable_chunked_prefill=True, max_num_batched_tokens=BUDGET)
-runs = {"without": run(big, CHUNK_REQUESTS, ARRIVE), "with": run(chunked, CHUNK_REQUESTS, ARRIVE)}
-for name, engine in (("without", big), ("with", chunked)):
-    print(f"  {name} chunking, max_num_batched_tokens={engine.scheduler_config.max_num_batched_tokens} "
-          "(tokens computed; * = then sampled):")
-    for i, rec in enumerate(runs[name][1], start=1):
-        print(f"    step {i}  {work(rec['plan'], stars=True):22} = {rec['plan'].num_batched_tokens:2} tokens")
-chunks = [(i, x) for i, rec in enumerate(runs["with"][1], start=1)
-          for x in rec["plan"].scheduled if x.group.request_id == "L" and x.is_prefill]
-first_token = min(i for i, rec in enumerate(runs["with"][1], start=1) if "L" in rec["sampled"])
-print(f"  with chunking, L's prompt ran in steps {[i for i, _ in chunks]} as chunks "
-      f"{[x.num_new_tokens for _, x in chunks]}; its first token came at step {first_token}")
-assert len(chunks) > 1 and sum(x.num_new_tokens for _, x in chunks) == prompt_len["B"]
-assert [x.do_sample for _, x in chunks] == [False] * (len(chunks) - 1) + [True]
-assert first_token == chunks[-1][0]  # no token before the last chunk
-for i, _ in chunks:  # S1 and S2 decoded in every step L was prefilling
-    ran = {x.group.request_id: x.num_new_tokens for x in runs["with"][1][i - 1]["plan"].scheduled}
-    assert ran["S1"] == ran["S2"] == 1, (i, ran)
-biggest = {name: max(rec["plan"].num_batched_tokens for rec in recs) for name, (_, recs) in runs.items()}
-print(f"  largest step (every decode in it waits for all its tokens): {biggest['without']} tokens "
-      f"without chunking, {biggest['with']} with")
-assert biggest["with"] <= BUDGET < biggest["without"]
-print(f"  outputs with and without chunking identical: {runs['with'][0] == runs['without'][0]}")
-assert runs["with"][0] == runs["without"][0]
-print("\nDone: swapping trades copies for compute; chunking trades one long step for several short ones.")
+print("\nDone: when memory runs out, the youngest request gives its blocks back; swapping trades")
+print("copies for compute, recomputation compute for copies, and no output token changes.")
+print("""
+Exercises:
+  1. Set SWAP_GIB so the CPU pool holds only 2 blocks and rerun. What does get_stats() report
+     for the "swap" engine now, and why were some of its victims recomputed anyway?
+  2. Give request A max_tokens=40. Which request is preempted, and how many times? Why is it
+     never A, the first to arrive?""")

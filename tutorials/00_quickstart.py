@@ -1,4 +1,4 @@
-"""Tutorial 4: the vLLM-shaped API: generate, sample, stop, chat, stream.
+"""Tutorial 0: quickstart, the vLLM-shaped API: generate, sample, stop, chat, stream.
 
 Goal: use minipaged the way an application would. ``LLM`` is the offline front
 door (a list of prompts in, a list of RequestOutputs out); ``SamplingParams``
@@ -8,9 +8,10 @@ it is produced; ``get_stats()`` reports what the engine did.
 
 The OS analogy: this is the system-call layer. Programs ask for work through a
 small stable interface and never see page tables or the scheduler; everything
-from tutorials 1 to 3 happens underneath these calls.
+the other tutorials take apart happens underneath these calls; start here to
+see what the engine is for, then read tutorials 1 to 12 to see how it works.
 
-Run it:  python tutorials/04_generate_and_chat.py
+Run it:  python tutorials/00_quickstart.py
 (MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
 """
 
@@ -115,3 +116,9 @@ print(f"  {'ttft_mean':18} {stats['ttft_mean']:.3f} s")
 assert stats["generation_tokens"] == generated                # every sampled token is counted
 assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
 print("\nDone: the same calls as vLLM's offline API, on a paged KV cache you can read.")
+print("""
+Exercises:
+  1. Generate the same prompt with temperature 0.8 and seeds 1, 2 and 1 again. Which outputs
+     match, and why does a seed make a sampled request reproducible inside any batch?
+  2. Add stop=["."] to the greedy SamplingParams of step 1. What are finish_reason and
+     stop_reason now, and is the stop string part of the text?""")
