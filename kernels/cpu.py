@@ -6,7 +6,7 @@ a thread the loops over ``head_dim`` are what LLVM vectorises (fastmath lets it
 reorder the float sums).
 
 The module is used as an "ops" namespace by the model: ``ops.rms_norm(...)``,
-``ops.paged_attention(...)``; ``kernels/cuda.py`` will offer the same names.
+``ops.paged_attention(...)``; ``kernels/cuda.py`` (``CudaOps``) offers the same names.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """NumPy specs of every kernel: the slowest, plainest statement of what each must compute.
 
-They are the test oracle for the Numba CPU kernels (``kernels/cpu.py``) and,
-later, for the CUDA kernels. Each spec loops in the most obvious way and
+They are the test oracle for the Numba CPU kernels (``kernels/cpu.py``) and
+for the CUDA kernels (``kernels/*.cu``, through the CPU harness and on a GPU). Each spec loops in the most obvious way and
 never shares code with the kernel it checks.
 """
 

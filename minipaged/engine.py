@@ -1,6 +1,6 @@
 """LLMEngine: the kernel's main loop. Admit requests, schedule, run, sample, report.
 
-One ``step()`` is one trip round DESIGN.md's data flow::
+One ``step()`` is one trip round this data flow (docs/architecture.md, "One engine step")::
 
     Scheduler.schedule()  -> which sequences run and how many tokens each
     ModelRunner.execute() -> write new K/V into their slots, paged attention, logits

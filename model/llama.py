@@ -5,7 +5,7 @@ weight is used in exactly one matrix product per step, whatever the mix of
 prompts and decodes. Only attention needs to know which token belongs to which
 sequence, and it learns that from the explicit AttentionMetadata.
 
-``ops`` is the backend's kernel namespace (``kernels.cpu``, later ``kernels.cuda``):
+``ops`` is the backend's kernel namespace (``kernels.cpu``, or ``kernels.cuda.CudaOps`` on a GPU):
 it provides ``xp`` (numpy or cupy), ``rms_norm``, ``rotary``, ``silu_and_mul``,
 ``write_kv``, ``plan_attention`` and ``paged_attention``.
 """

@@ -2,7 +2,7 @@
 
 A hypothesis state machine plays processes arriving (allocate), growing one
 token at a time (append_slots) and exiting (free) in random orders, and checks
-DESIGN.md section 5's invariants after every operation.
+the block manager's invariants (docs/architecture.md) after every operation.
 """
 
 import pytest

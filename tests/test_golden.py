@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct through the paged engine against an independent implementation.
 
 ../shared/golden (copied to tests/golden) holds Hugging Face transformers' float32
-greedy outputs for the same GGUF. Rule (DESIGN.md section 5): greedy tokens match;
+greedy outputs for the same GGUF. Rule (the project's test strategy): greedy tokens match;
 where they diverge, the reference's top-2 logit margin at that step is below 1e-3.
 """
 

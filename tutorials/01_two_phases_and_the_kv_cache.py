@@ -20,8 +20,11 @@ allows, whatever its CPU could do: memory, not the processor, caps the degree
 of multiprogramming. The next tutorials manage that memory like an OS.
 
 Timings depend on the machine and on what else it runs, so they are printed,
-not checked, except the gap between prefill and decode per token, which is an
-order of magnitude and is asserted. Everything else is computed and asserted.
+not checked, except one: that a prompt token costs less than a generated one.
+The gap is usually about an order of magnitude, but only that it exists (more
+than 1x) is asserted. Everything else is computed and asserted, except the
+split of the A100's memory in step 4, which is assumed (the PagedAttention
+paper's setting), not computed.
 
 Run it:  python tutorials/01_two_phases_and_the_kv_cache.py
 (MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
@@ -31,7 +34,8 @@ Exercises (also printed at the end):
      attention), head_dim 128. Compute its KV bytes per token in fp16 with kv_bytes_per_token,
      and how many 4096-token sequences fit in 40 GB of KV space. How much did GQA save?
   2. Set DECODE_BATCH to 1, 2, 4, 16 and 32 and watch decode tokens/s. Where does it stop
-     growing on your machine, and what does that say about your CPU's ridge point?
+     growing on your machine, and what does that say about your CPU's ridge point? (With 1 or 2
+     sequences the batch's FLOP/byte in step 3 is at most about 1; the script allows for it.)
 """
 
 import os
@@ -146,13 +150,14 @@ for r in range(REPEATS):
     assert not engine.has_unfinished_requests()
 prefill_s, decode_s = min(prefill_times), min(decode_times)
 print(f"  prefill step: {PROMPT_LEN} prompt tokens in, 1 token sampled")
-print(f"  decode step:  1 token in, 1 token sampled")
+print("  decode step:  1 token in, 1 token sampled")
 print(f"  prefill: {prefill_s * 1e3:7.1f} ms a step = {prefill_s / PROMPT_LEN * 1e3:6.2f} ms a token "
       f"({PROMPT_LEN / prefill_s:7.0f} tokens/s)")
 print(f"  decode:  {decode_s * 1e3:7.1f} ms a step = {decode_s * 1e3:6.2f} ms a token "
       f"({1 / decode_s:7.0f} tokens/s)")
 print(f"  a prompt token costs {decode_s / (prefill_s / PROMPT_LEN):.0f}x less than a generated one")
-# The gap is an order of magnitude, so even a busy machine keeps it: the one timing we assert.
+# The gap is usually an order of magnitude, so even a busy machine keeps it; the one timing we
+# assert, and only that the gap exists: a prompt token is cheaper than a generated one.
 assert prefill_s / PROMPT_LEN < decode_s
 
 for i in range(DECODE_BATCH):
@@ -196,7 +201,11 @@ for name, (flops, moved) in phases.items():
           f"{flops / moved:6.2f} FLOP/byte")
 ratio = {name: flops / moved for name, (flops, moved) in phases.items()}
 assert ratio[PREFILL] > 50 * ratio[DECODE]
-assert ratio[DECODE] < 1 < ratio[BATCH]
+assert ratio[DECODE] < 1
+# Each sequence adds about 2 FLOPs per weight, 2 / itemsize FLOP per byte (0.5 in float32): a
+# batch of 2 sits at about 1, so the batch is asserted above 1 only from 3 sequences on.
+if DECODE_BATCH * 2 > itemsize:
+    assert ratio[BATCH] > 1
 print(f"  measured here: prefill computed {phases[PREFILL][0] / prefill_s / 1e9:.0f} GFLOP/s, "
       f"decode {phases[DECODE][0] / decode_s / 1e9:.0f} GFLOP/s while streaming "
       f"{phases[DECODE][1] / decode_s / 1e9:.1f} GB/s from memory")
@@ -214,13 +223,17 @@ print("\n4. KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x by
 m = LLAMA_13B
 kv_13b = kv_bytes_per_token(m["layers"], m["kv_heads"], m["head_dim"], FP16)
 weights_13b = llama_params(**m) * FP16
-kv_space = 0.30 * A100_MEMORY                       # what is left for KV after weights and activations
+# Assumed, not computed: the PagedAttention paper's split of a 40 GB A100 serving LLaMA-13B,
+# weights ~65% (checked below), KV cache ~30%, the rest for activations.
+kv_space = 0.30 * A100_MEMORY
 tokens_13b = int(kv_space // kv_13b)
 seq_len = 2048
 print(f"  LLaMA-13B in fp16: 2 x {m['layers']} x {m['kv_heads']} x {m['head_dim']} x {FP16} = "
       f"{kv_13b:,} bytes per token ({kv_13b // 1024} KiB)")
 print(f"  weights: {llama_params(**m) / 1e9:.2f} B parameters = {fmt_bytes(weights_13b)}, "
       f"{weights_13b / A100_MEMORY:.0%} of a {A100_MEMORY / 1e9:.0f} GB A100")
+print("  assumed split (the PagedAttention paper's setting): weights ~65%, KV cache ~30%, "
+      "activations and the rest ~5%")
 print(f"  KV space, 30% of the card: {fmt_bytes(kv_space)} -> {tokens_13b:,} tokens "
       f"-> {tokens_13b // seq_len} sequences of {seq_len} tokens ({fmt_bytes(seq_len * kv_13b)} each)")
 assert kv_13b == 819_200 and kv_13b // 1024 == 800
@@ -264,4 +277,5 @@ Exercises:
      attention), head_dim 128. Compute its KV bytes per token in fp16 with kv_bytes_per_token,
      and how many 4096-token sequences fit in 40 GB of KV space. How much did GQA save?
   2. Set DECODE_BATCH to 1, 2, 4, 16 and 32 and watch decode tokens/s. Where does it stop
-     growing on your machine, and what does that say about your CPU's ridge point?""")
+     growing on your machine, and what does that say about your CPU's ridge point? (With 1 or 2
+     sequences the batch's FLOP/byte in step 3 is at most about 1; the script allows for it.)""")

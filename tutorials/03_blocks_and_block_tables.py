@@ -158,9 +158,10 @@ print(f"  used {bm.num_used_blocks}, free {bm.num_free_blocks} of {bm.num_blocks
 assert bm.num_free_blocks == NUM_BLOCKS and not bm.tables
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
-print(f"\n11. The same walk-through on the real engine ({MODEL}), block_size {BLOCK_SIZE}, drawn from its state")
+print(f"\n11. The same walk-through on the real engine ({MODEL}), drawn from its state")
 # minipaged.viz reads the block manager and the running sequences; nothing is drawn by hand.
-engine = LLMEngine(MODEL, device="cpu", block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+ENGINE_BLOCK = BLOCK_SIZE                  # the engine's block size here (exercise 1 changes it)
+engine = LLMEngine(MODEL, device="cpu", block_size=ENGINE_BLOCK, num_blocks=NUM_BLOCKS * BLOCK_SIZE // ENGINE_BLOCK)
 greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 engine.add_request("A", "Four score and seven years ago our", greedy)
 for step in range(1, 4):
@@ -176,7 +177,7 @@ for step in range(1, 4):
         assert [physical for _, physical, _ in table.entries] == bm.block_table(seq)
         assert sum(filled for _, _, filled in table.entries) == seq.num_computed_tokens
 a_seq = engine.groups["A"].seqs[0]
-a_text = [engine.tokenizer.decode([t]) for t in a_seq.token_ids[:4]]
+a_text = [engine.tokenizer.decode([t]) for t in a_seq.token_ids[:ENGINE_BLOCK]]
 first = next(b for b in view.blocks if b.block_id == bm.block_table(a_seq)[0])
 print(f"  A's first block holds the K/V of {a_text}; its table {bm.block_table(a_seq)}")
 assert first.slots == a_text
@@ -186,6 +187,8 @@ print(f"  both finished: {engine.get_stats()['kv_blocks_used']} blocks in use")
 print("\nDone: page tables, slots and fragmentation, all from the real block manager.")
 print("""
 Exercises:
-  1. Rerun step 11 with block_size 8 and then 1. How many blocks does each request map, and how
-     many slots sit empty in its last block? What does block_size 1 cost the page table?
-  2. In step 8, free B before A instead. Which frames does D get now, and why?""")
+  1. Set ENGINE_BLOCK = 8, then 1 (the pool keeps the same number of token slots). How many
+     blocks does each request map, and how many slots sit empty in its last block? What does
+     block_size 1 cost the page table?
+  2. In step 4, add the words "upon this continent" to the list A decodes. At which word does A
+     need a fourth block, and which frame does it get? Predict it from the free queue first.""")

@@ -28,8 +28,8 @@ BLOCK, SEED = 8, 7
 STORY = "Once upon a time, in a small village by the sea, there lived"
 
 
-def engine(**kwargs) -> LLMEngine:
-    return LLMEngine(MODEL, device="cpu", block_size=BLOCK, num_blocks=128, **kwargs)
+def engine(num_blocks: int = 128, **kwargs) -> LLMEngine:
+    return LLMEngine(MODEL, device="cpu", block_size=BLOCK, num_blocks=num_blocks, **kwargs)
 
 
 def watch(e: LLMEngine) -> list:
@@ -65,16 +65,23 @@ tables = [list(bm.block_table(s)) for s in seqs]
 print(f"  after step 1 (the prefill): seq ids {[s.seq_id for s in seqs]}, block tables {tables}, ref counts "
       f"{[refs[b] for b in tables[0]]}; prompt tokens computed: {sampler.get_stats()['prompt_tokens']}, not 3 x {L}")
 assert tables == [tables[0]] * 3 and all(refs[b] == 3 for b in tables[0])
-assert sampler.get_stats()["prompt_tokens"] == L and L % BLOCK  # the last prompt block is partly filled
-full, shared = L // BLOCK, tables[0][L // BLOCK]
+assert sampler.get_stats()["prompt_tokens"] == L
+full = L // BLOCK                        # prompt blocks filled to the brim
 sampler.step()
 copies = plans[-1].blocks_to_copy
-print(f"  step 2: each sample writes position {L}, into block {shared} ({L % BLOCK} of {BLOCK} slots "
-      f"filled, held by 3): copy-on-write plan blocks_to_copy {copies}")
 after = [list(bm.block_table(s)) for s in seqs]
-print(f"  tables now {after}: the last writer kept block {shared} (ref count {refs[shared]} by then); "
-      f"the {full} full block(s) {tables[0][:full]} stay shared, ref counts {[refs[b] for b in tables[0][:full]]}")
-assert [src for src, _ in copies] == [shared, shared] and [t[full] for t in after] == [d for _, d in copies] + [shared]
+if L % BLOCK:  # the last prompt block has room: all three samples want to write into it
+    shared = tables[0][full]
+    print(f"  step 2: each sample writes position {L}, into block {shared} ({L % BLOCK} of {BLOCK} slots "
+          f"filled, held by 3): copy-on-write plan blocks_to_copy {copies}")
+    print(f"  tables now {after}: the last writer kept block {shared} (ref count {refs[shared]} by then); "
+          f"the {full} full block(s) {tables[0][:full]} stay shared, ref counts {[refs[b] for b in tables[0][:full]]}")
+    assert [src for src, _ in copies] == [shared, shared]
+    assert [t[full] for t in after] == [d for _, d in copies] + [shared]
+else:          # the prompt ends exactly at a block boundary: position L starts a new block anyway
+    print(f"  step 2: the prompt fills its {full} blocks exactly, so each sample writes position {L} into "
+          f"a new block of its own: blocks_to_copy {copies}, tables now {after}")
+    assert not copies and len({t[full] for t in after}) == 3
 assert all(t[:full] == tables[0][:full] for t in after) and all(refs[b] == 3 for b in tables[0][:full])
 samples = finish(sampler)["story"]
 for i in range(3):  # sample i draws what a lone request seeded with derive_seed(SEED, i) draws
@@ -104,4 +111,6 @@ print("""
 Exercises:
   1. Make the prompt a whole number of blocks long (pad it with words until its token count is a
      multiple of BLOCK). Is there still a copy-on-write in step 2? Why not?
-  2. Raise N to 16 in part 2. How does the saving grow with n, and what limits it?""")
+  2. Raise N to 16 in part 2, and give `many` a bigger pool (engine(num_blocks=256)): admission
+     counts what the n samples could need if none of them shared, to be safe. How does the
+     saving grow with n, and what limits it?""")

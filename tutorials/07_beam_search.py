@@ -19,13 +19,10 @@ Run it:  python tutorials/07_beam_search.py
 import os
 
 from minipaged import LLM, BeamSearchParams, LLMEngine
+from minipaged.beam_search import beam_score
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
 BLOCK = 8
-
-
-def engine(**kwargs) -> LLMEngine:
-    return LLMEngine(MODEL, device="cpu", block_size=BLOCK, num_blocks=128, **kwargs)
 
 
 def watch(e: LLMEngine) -> list:
@@ -40,25 +37,19 @@ def watch(e: LLMEngine) -> list:
     return plans
 
 
-def finish(e: LLMEngine) -> dict:
-    """Step until idle; return {request id: [token ids of each sample]}."""
-    done = {}
-    while e.has_unfinished_requests():
-        done.update({o.request_id: [c.token_ids for c in o.outputs] for o in e.step() if o.finished})
-        e.block_manager.check_invariants([s for g in e.groups.values() for s in g.seqs])
-    return done
-
-
 WIDTH, BEAM_PROMPT = 4, "In my experience, the best way to learn a new language is"
-beam = BeamSearchParams(beam_width=WIDTH, max_tokens=8, ignore_eos=True)  # equal lengths: rank by cum_logprob
+beam = BeamSearchParams(beam_width=WIDTH, max_tokens=8, ignore_eos=True)
 print(f"1. Beam search, beam_width={WIDTH}, max_tokens={beam.max_tokens}: {BEAM_PROMPT!r}")
 llm = LLM(MODEL, device="cpu", block_size=BLOCK, num_blocks=128)
 beamer = llm.llm_engine
 ranked = llm.beam_search(BEAM_PROMPT, beam, use_tqdm=False)[0].sequences
 n_prompt = len(beamer.tokenize(BEAM_PROMPT).token_ids)
-for rank, s in enumerate(ranked):
-    print(f"  {rank}. cum_logprob {s.cum_logprob:7.3f}  ...{beamer.tokenizer.decode(s.tokens[n_prompt:])!r}")
-assert len(ranked) == WIDTH and [s.cum_logprob for s in ranked] == sorted([s.cum_logprob for s in ranked])[::-1]
+# ranked by cum_logprob / length ** length_penalty (the length counts the prompt, not a final EOS)
+scores = [beam_score(len(s.tokens), s.cum_logprob, s.finish_reason == "stop", beam.length_penalty) for s in ranked]
+for rank, (s, score) in enumerate(zip(ranked, scores)):
+    print(f"  {rank}. cum_logprob {s.cum_logprob:7.3f}  score {score:7.4f}  "
+          f"...{beamer.tokenizer.decode(s.tokens[n_prompt:])!r}")
+assert len(ranked) == WIDTH and scores == sorted(scores, reverse=True)
 plans, bm = watch(beamer), beamer.block_manager
 beamer.add_beam_request("beam", BEAM_PROMPT, beam)
 group = beamer.groups["beam"]  # one sequence until the prompt is done, then up to WIDTH
@@ -89,5 +80,5 @@ print("""
 Exercises:
   1. Set length_penalty=0.0 and then 2.0 with ignore_eos=False and max_tokens=24. Does the
      ranking change? Which hypotheses does a large penalty favour, and why?
-  2. Use block_size 1 (engine(block_size=1)). How do `used` and `mapped` compare now, and
-     why is there never a copy-on-write?""")
+  2. Set BLOCK = 1. How do `used` and `mapped` compare now, and why is there never a
+     copy-on-write?""")

@@ -180,7 +180,8 @@ print("\nDone: when memory runs out, the youngest request gives its blocks back;
 print("copies for compute, recomputation compute for copies, and no output token changes.")
 print("""
 Exercises:
-  1. Set SWAP_GIB so the CPU pool holds only 2 blocks and rerun. What does get_stats() report
-     for the "swap" engine now, and why were some of its victims recomputed anyway?
+  1. What if the swap space cannot hold a victim? Read Scheduler._preempt in
+     minipaged/scheduler.py and predict what preemption_mode="swap" does then, and which
+     get_stats() counters show it; tutorial 12 (step 5) runs exactly that case to check.
   2. Give request A max_tokens=40. Which request is preempted, and how many times? Why is it
      never A, the first to arrive?""")

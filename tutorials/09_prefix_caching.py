@@ -34,8 +34,8 @@ QUESTIONS = ["What is a page table?", "Why is swapping slow?", "How does fork() 
              "Explain a shared library."]
 
 
-def engine(**kwargs) -> LLMEngine:
-    return LLMEngine(MODEL, device="cpu", block_size=BLOCK, num_blocks=128, **kwargs)
+def engine(num_blocks: int = 128, **kwargs) -> LLMEngine:
+    return LLMEngine(MODEL, device="cpu", block_size=BLOCK, num_blocks=num_blocks, **kwargs)
 
 
 def watch(e: LLMEngine) -> list:

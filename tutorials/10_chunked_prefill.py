@@ -64,11 +64,11 @@ def run(engine: LLMEngine, long_ids: list[int], arrive: int, decode_tokens: int)
     return {"plans": plans, "got": got, "seconds": seconds, "outputs": outputs}
 
 
-print("1. A toy run first: a 63-token prompt L, a budget of 16 tokens per step")
 plain = LLMEngine(MODEL, device="cpu", block_size=BLOCK, num_blocks=256)
 chunked16 = LLMEngine(MODEL, device="cpu", block_size=BLOCK, num_blocks=256, max_num_seqs=4,
                       enable_chunked_prefill=True, max_num_batched_tokens=16)
 toy_ids = plain.tokenize(LONG + "Explain in one short sentence why this works so well:").token_ids
+print(f"1. A toy run first: a {len(toy_ids)}-token prompt L, a budget of 16 tokens per step")
 toy = {name: run(e, toy_ids, arrive=2, decode_tokens=7) for name, e in (("without", plain), ("with", chunked16))}
 for name, e in (("without", plain), ("with", chunked16)):
     print(f"  {name} chunking, max_num_batched_tokens={e.scheduler_config.max_num_batched_tokens} "

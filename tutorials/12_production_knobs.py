@@ -2,17 +2,17 @@
 
 Goal: a serving engine has a handful of settings that decide how much memory
 it takes and how much work it accepts, and get_stats() counters that say when
-one of them is set badly. Here each main knob gets a small real run: how the KV
-pool size comes from num_blocks, kv_cache_space or (on a GPU)
+one of them is set badly. First, the ConfigError a bad value gives before any
+weight is loaded. Then each main knob gets a small real run: how the KV pool
+size comes from num_blocks, kv_cache_space or (on a GPU)
 gpu_memory_utilization; how max_num_seqs and max_num_batched_tokens cap a step;
 what enable_chunked_prefill changes about that cap; what preemption_mode and
 swap_space do when the pool is too small (and how a swap space that is too
 small quietly turns swapping into recomputation); what the watermark holds
-back; what enable_prefix_caching saves. Then the metrics to watch, read off
-those same runs, and the ConfigError a bad value gives before any weight is
-loaded. The pool arithmetic uses SmolLM2-135M-Instruct; the scheduling runs use
-a tiny random Llama (the tests' model), because they count steps and blocks,
-not words.
+back; what enable_prefix_caching saves. Last, the metrics to watch, read off
+those same runs. The pool arithmetic uses SmolLM2-135M-Instruct; the scheduling
+runs use a tiny random Llama (the tests' model), because they count steps and
+blocks, not words.
 
 The OS analogy: these are the boot parameters and sysctls of the kernel: how
 much RAM it claims (the KV pool), the swap partition (swap_space), the
@@ -24,10 +24,12 @@ Run it:  python tutorials/12_production_knobs.py
 (MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model for step 2.)
 
 Exercises (also printed at the end):
-  1. In step 5, give the swap run exactly as many CPU blocks as the largest request holds.
-     Does it swap now, or still recompute? Read _preempt in minipaged/scheduler.py to check.
-  2. In step 3, set max_num_seqs to 8 and max_num_batched_tokens to 40 (chunked prefill on).
-     Which knob now sets the pace, and what do num_waiting and the TTFT steps show?
+  1. In step 5, give the "swap, swap_space 2 blocks" run (SMALL_SWAP_BLOCKS) exactly as many
+     CPU blocks as the largest request's final table takes. Does it swap now, or still
+     recompute? Read _preempt in minipaged/scheduler.py to check.
+  2. In step 3, set CAPPED (the capped run's knobs) to dict(max_num_seqs=8,
+     max_num_batched_tokens=40, enable_chunked_prefill=True). Which knob now sets the pace,
+     and what do num_waiting and the TTFT steps show?
 """
 
 import contextlib
@@ -108,7 +110,9 @@ for knob, make in bad.items():
     message = error_of(make)
     print(f"  {knob:46} -> {message}")
     assert message.startswith("ConfigError: ") and knob.split("=")[0] in message
-# The engine builds its configs before it loads a single weight, so a typo costs nothing.
+# The engine checks its settings before it loads the weights: EngineConfig, CacheConfig and the
+# ones that need no model before anything else; those that need the model's max length (like
+# this SchedulerConfig one) once the model directory is found (which may mean fetching it).
 message = error_of(lambda: tiny_engine(max_num_batched_tokens=256, max_num_seqs=4))
 print(f"  LLMEngine(..., max_num_batched_tokens=256): {message[:78]}...")
 assert "enable_chunked_prefill" in message
@@ -159,16 +163,21 @@ del real
 # ------------------------------------------------------------------------------------------ 3
 print("\n3. max_num_seqs caps how many sequences run in one step (tiny model from here on)")
 WORK = {f"r{i}": (p, 8) for i, p in enumerate(make_prompts(8, 10, 30, 259, seed=0))}
+CAPPED = dict(max_num_seqs=3)   # the capped run's knobs (exercise 2 changes them)
+CAP_SEQS = CAPPED.get("max_num_seqs", 256)   # 256: the default
+SEQS_ONLY = set(CAPPED) == {"max_num_seqs"}   # only the sequence cap: its effect can be computed
+cap_name = ", ".join(f"{k}={v}" for k, v in CAPPED.items())
 run(tiny_engine(num_blocks=64), WORK)   # a warm-up: loads the compiled kernels before TTFT is timed
 runs = {"max_num_seqs=256 (default)": run(tiny_engine(num_blocks=64), WORK),
-        "max_num_seqs=3": run(tiny_engine(num_blocks=64, max_num_seqs=3), WORK)}
+        cap_name: run(tiny_engine(num_blocks=64, **CAPPED), WORK)}
 for name, r in runs.items():
     steps, s = r["steps"], r["stats"]
     print(f"  {name:27} {s['num_steps']:2} steps; running per step {[x['running'] for x in steps]}")
     print(f"  {'':27} waiting per step {[x['waiting'] for x in steps]}; first token at step "
           f"{list(r['first_token_step'].values())}")
-capped, free_run = runs["max_num_seqs=3"], runs["max_num_seqs=256 (default)"]
-assert max(x["seqs"] for x in capped["steps"]) == 3 and max(x["waiting"] for x in capped["steps"]) > 0
+capped, free_run = runs[cap_name], runs["max_num_seqs=256 (default)"]
+assert max(x["seqs"] for x in capped["steps"]) == min(CAP_SEQS, len(WORK))
+assert max(x["waiting"] for x in capped["steps"]) > 0
 assert max(x["seqs"] for x in free_run["steps"]) == len(WORK) and free_run["steps"][0]["waiting"] == 0
 assert max(capped["first_token_step"].values()) > max(free_run["first_token_step"].values())
 assert capped["tokens"] == free_run["tokens"]
@@ -212,11 +221,16 @@ POOL = 18
 tiny_block = kv_bytes_per_block(3, 2, 16, 16, 4)
 print(f"  4 requests of 70-80 prompt tokens + 40 new ones; their final tables take {list(need.values())} "
       f"blocks = {sum(need.values())} in all; the pool has {POOL}")
+SMALL_SWAP_BLOCKS = 2                     # the small swap space, in blocks (exercise 1 changes it)
 big_swap = 64 * tiny_block / GIB          # room for 64 blocks
-small_swap = 2 * tiny_block / GIB         # room for 2 blocks: less than any request holds
+small_swap = SMALL_SWAP_BLOCKS * tiny_block / GIB
+# A running request holds at least its prompt's blocks: a swap space smaller than the shortest
+# prompt can take no victim at all (at 2 blocks, less than any request holds).
+too_small = SMALL_SWAP_BLOCKS < min(blocks_for(len(p), 16) for p, _ in PRESSURE.values())
+ROOMY, CRAMPED = "swap, swap_space 64 blocks", f"swap, swap_space {SMALL_SWAP_BLOCKS} blocks"
 pressure = {
-    "swap, swap_space 64 blocks": dict(preemption_mode="swap", swap_space=big_swap),
-    "swap, swap_space 2 blocks": dict(preemption_mode="swap", swap_space=small_swap),
+    ROOMY: dict(preemption_mode="swap", swap_space=big_swap),
+    CRAMPED: dict(preemption_mode="swap", swap_space=small_swap),
     "recompute": dict(preemption_mode="recompute"),
 }
 reference = run(tiny_engine(num_blocks=64), PRESSURE)
@@ -232,14 +246,21 @@ for name, knobs in pressure.items():
     assert s["num_preemptions"] > 0 and r["tokens"] == reference["tokens"]
 roomy, cramped, recompute = (results[n]["stats"] for n in pressure)
 assert roomy["num_preemptions_recompute"] == 0 < roomy["num_preemptions_swap"]
-assert cramped["cpu_kv_blocks_total"] == 2 and cramped["num_preemptions_swap"] == 0
-assert cramped["num_preemptions_recompute"] == cramped["num_preemptions"]   # every swap fell back
-assert cramped["prompt_tokens"] > roomy["prompt_tokens"] == reference["stats"]["prompt_tokens"]
-assert (cramped["num_steps"], cramped["prompt_tokens"]) == (recompute["num_steps"], recompute["prompt_tokens"])
+assert roomy["prompt_tokens"] == reference["stats"]["prompt_tokens"]
+assert cramped["cpu_kv_blocks_total"] == SMALL_SWAP_BLOCKS
 again = cramped["prompt_tokens"] - roomy["prompt_tokens"]
-print(f"  with 2 CPU blocks the victim did not fit the swap space, so preemption_mode='swap' quietly"
-      f"\n  recomputed it, exactly as the recompute run did: num_preemptions_swap 0, and {again} prompt"
-      "\n  tokens computed again. Outputs identical in every run.")
+if too_small:
+    assert cramped["num_preemptions_swap"] == 0
+    assert cramped["num_preemptions_recompute"] == cramped["num_preemptions"]   # every swap fell back
+    assert again > 0
+    assert (cramped["num_steps"], cramped["prompt_tokens"]) == (recompute["num_steps"], recompute["prompt_tokens"])
+    print(f"  with {SMALL_SWAP_BLOCKS} CPU blocks the victim did not fit the swap space, so preemption_mode='swap'"
+          f" quietly\n  recomputed it, exactly as the recompute run did: num_preemptions_swap 0, and {again} prompt"
+          "\n  tokens computed again. Outputs identical in every run.")
+else:
+    print(f"  with {SMALL_SWAP_BLOCKS} CPU blocks: num_preemptions_swap {cramped['num_preemptions_swap']}, "
+          f"num_preemptions_recompute {cramped['num_preemptions_recompute']}, {again} prompt tokens"
+          "\n  computed again. Outputs identical in every run.")
 print(f"  preemption_mode='auto' (the default) recomputes victims holding <= {AUTO_RECOMPUTE_MAX_TOKENS} "
       "tokens and swaps the rest")
 # The watermark: admission keeps int(watermark * num_blocks) blocks free for running requests to grow.
@@ -289,45 +310,54 @@ def diagnose(r: dict) -> list[str]:
     return found or ["nothing to change"]
 
 
-watched = {"3. max_num_seqs=3": capped, "3. default": free_run,
-           "5. swap, 64 CPU blocks": results["swap, swap_space 64 blocks"],
-           "5. swap, 2 CPU blocks": results["swap, swap_space 2 blocks"], "6. caching on": caching[True]}
+CAP_KEY, CRAMPED_KEY = f"3. {cap_name}", f"5. swap, {SMALL_SWAP_BLOCKS} CPU blocks"
+watched = {CAP_KEY: capped, "3. default": free_run,
+           "5. swap, 64 CPU blocks": results[ROOMY],
+           CRAMPED_KEY: results[CRAMPED], "6. caching on": caching[True]}
 findings = {}
 for name, r in watched.items():
     findings[name] = diagnose(r)
     for line in findings[name]:
         print(f"  {name:24} {line}")
 assert findings["3. default"] == ["nothing to change"]
-assert findings["3. max_num_seqs=3"][0].startswith("requests waited")
-assert findings["5. swap, 64 CPU blocks"] == findings["5. swap, 2 CPU blocks"][:1]
-assert findings["5. swap, 2 CPU blocks"][1].startswith("a swap space that swapped nothing")
+assert findings[CAP_KEY][0].startswith("requests waited")
+assert findings["5. swap, 64 CPU blocks"] == findings[CRAMPED_KEY][:1]
+if too_small:
+    assert findings[CRAMPED_KEY][1].startswith("a swap space that swapped nothing")
 assert findings["6. caching on"][0].startswith("prefix cache hit rate high")
 print("  latency: get_stats() has ttft_p50/p99 and tpot_p50/p99 in seconds:")
-for name, r in (("max_num_seqs=3", capped), ("default", free_run)):
+for name, r in ((cap_name, capped), ("default", free_run)):
     s = r["stats"]
     print(f"    {name:15} TTFT p50 {s['ttft_p50'] * 1e3:6.1f} ms, p99 {s['ttft_p99'] * 1e3:6.1f} ms; TPOT p50 "
           f"{s['tpot_p50'] * 1e3:5.2f} ms; first tokens at steps {sorted(r['first_token_step'].values())}")
     assert s["ttft_p99"] >= s["ttft_p50"] > 0 and s["tpot_p50"] > 0
+last_first = max(capped["first_token_step"].values())
 print("    queueing shows as a TTFT p99 well above the p50 while TPOT stays flat. Here a step of the"
       "\n    tiny model takes about a millisecond, as short as the timer's noise, so read the steps"
-      "\n    instead: with max_num_seqs=3 the last requests waited 16 steps for their first token."
+      f"\n    instead: with {cap_name} the last requests waited {last_first - 1} steps for their first token."
       "\n    On a real model every one of those steps costs tens of milliseconds.")
-assert sorted(capped["first_token_step"].values())[-1] == 17
+if SEQS_ONLY:   # batches of CAP_SEQS, each a prefill step and 7 decode steps long
+    batches = -(-len(WORK) // CAP_SEQS)
+    assert last_first == 1 + 8 * (batches - 1)   # 17 for max_num_seqs=3
 assert sorted(free_run["first_token_step"].values())[-1] == 1
 print("  the periodic log line (every log_stats_interval seconds; the CLI's generate and bench print it")
-print("  every 5 s), here after step 1 of the max_num_seqs=3 run and after the swap run's preemption:")
-swap_run = results["swap, swap_space 64 blocks"]
+print(f"  every 5 s), here after step 1 of the {cap_name} run and after the swap run's preemption:")
+swap_run = results[ROOMY]
 swapped_at = next(i for i, x in enumerate(swap_run["steps"]) if x["swapped"])
 for line in (capped["steps"][0]["log"], swap_run["steps"][swapped_at]["log"]):
     print("    ..." + line[line.index("Running:"):])
-assert "Running: 3 reqs, Swapped: 0 reqs, Pending: 5 reqs" in capped["steps"][0]["log"]
+if SEQS_ONLY and CAP_SEQS < len(WORK):
+    assert (f"Running: {CAP_SEQS} reqs, Swapped: 0 reqs, Pending: {len(WORK) - CAP_SEQS} reqs"
+            in capped["steps"][0]["log"])
 assert "Swapped: 1 reqs" in swap_run["steps"][swapped_at]["log"]
 assert "Preemptions: 1 (swap 1, recompute 0)" in swap_run["steps"][swapped_at]["log"]
 print("\nDone: size the pool first, then let the queue lengths and the preemption counters tune the rest.")
 print("""
 Exercises:
-  1. In step 5, give the swap run exactly as many CPU blocks as the largest request holds.
-     Does it swap now, or still recompute? Read _preempt in minipaged/scheduler.py to check.
-  2. In step 3, set max_num_seqs to 8 and max_num_batched_tokens to 40 (chunked prefill on).
-     Which knob now sets the pace, and what do num_waiting and the TTFT steps show?""")
+  1. In step 5, give the "swap, swap_space 2 blocks" run (SMALL_SWAP_BLOCKS) exactly as many
+     CPU blocks as the largest request's final table takes. Does it swap now, or still
+     recompute? Read _preempt in minipaged/scheduler.py to check.
+  2. In step 3, set CAPPED (the capped run's knobs) to dict(max_num_seqs=8,
+     max_num_batched_tokens=40, enable_chunked_prefill=True). Which knob now sets the pace,
+     and what do num_waiting and the TTFT steps show?""")
 TMP.cleanup()
