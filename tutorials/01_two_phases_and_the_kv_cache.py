@@ -271,11 +271,4 @@ print(f"  a decode step reads all the weights once, plus the KV of every context
       f"sequence: past {crossover:,.0f} context tokens in the batch, the KV reads outweigh the weights")
 print("\nDone: prefill is limited by arithmetic, decode by memory; batching fixes decode, and the "
       "KV cache limits the batch.")
-print("""
-Exercises:
-  1. LLaMA-2-70B has 80 layers, 64 query heads but only 8 KV heads (grouped-query
-     attention), head_dim 128. Compute its KV bytes per token in fp16 with kv_bytes_per_token,
-     and how many 4096-token sequences fit in 40 GB of KV space. How much did GQA save?
-  2. Set DECODE_BATCH to 1, 2, 4, 16 and 32 and watch decode tokens/s. Where does it stop
-     growing on your machine, and what does that say about your CPU's ridge point? (With 1 or 2
-     sequences the batch's FLOP/byte in step 3 is at most about 1; the script allows for it.)""")
+print("\nExercises:\n" + __doc__.split("Exercises (also printed at the end):\n")[1].split("\n\n")[0].rstrip())

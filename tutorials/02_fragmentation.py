@@ -250,13 +250,4 @@ if finished != set(TRACE):
 assert same and set(tokens[PAGED]) == set(TRACE)
 print("\nDone: reservation, internal and external fragmentation are what contiguous allocation costs; "
       "paging keeps only the tail of each last block.")
-print("""
-Exercises:
-  1. Raise MAX_MODEL_LEN to 96 without touching the trace or the pool. How many requests
-     does each allocator run at once now, and which of them did not care at all?
-  2. A request may end long before max_tokens (at its end-of-sequence token). Emulate it: in the
-     "prompt + max_tokens" run, call engine.abort_request("D") once D has 12 output tokens
-     (in run()'s loop, after engine.step(): D's group in engine.scheduler.running counts them
-     in seqs[0].num_output_tokens). How many slots of D's run were never written? Did any
-     step of engine.kv_history count them as internal, and why can no allocator know them
-     in advance?""")
+print("\nExercises:\n" + __doc__.split("Exercises (also printed at the end):\n")[1].split("\n\n")[0].rstrip())

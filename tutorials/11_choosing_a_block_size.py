@@ -294,9 +294,4 @@ print(f"""  - Small blocks (4, 8) waste almost nothing, but the page tables are 
     blocks big enough for the kernels. It is vLLM's default for the same reasons.""")
 assert max(waste[16]) <= 15 and 3 * max(entries[16]) <= max(entries[4])
 
-print("""
-Exercises:
-  1. Double SLOTS. Does block_size 64 now run all eight requests at once? Which columns of the
-     table in step 7 change, and which can no amount of memory change?
-  2. Set LONG_CONTEXT to 128, then to 4096. How do the attention ratios of step 5 move, and
-     from what context length on would you start to care about the block count?""")
+print("\nExercises:\n" + __doc__.split("Exercises (also printed at the end):\n")[1].split("\n\n")[0].rstrip())

@@ -352,12 +352,5 @@ if SEQS_ONLY and CAP_SEQS < len(WORK):
 assert "Swapped: 1 reqs" in swap_run["steps"][swapped_at]["log"]
 assert "Preemptions: 1 (swap 1, recompute 0)" in swap_run["steps"][swapped_at]["log"]
 print("\nDone: size the pool first, then let the queue lengths and the preemption counters tune the rest.")
-print("""
-Exercises:
-  1. In step 5, give the "swap, swap_space 2 blocks" run (SMALL_SWAP_BLOCKS) exactly as many
-     CPU blocks as the largest request's final table takes. Does it swap now, or still
-     recompute? Read _preempt in minipaged/scheduler.py to check.
-  2. In step 3, set CAPPED (the capped run's knobs) to dict(max_num_seqs=8,
-     max_num_batched_tokens=40, enable_chunked_prefill=True). Which knob now sets the pace,
-     and what do num_waiting and the TTFT steps show?""")
+print("\nExercises:\n" + __doc__.split("Exercises (also printed at the end):\n")[1].split("\n\n")[0].rstrip())
 TMP.cleanup()
