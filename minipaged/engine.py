@@ -80,6 +80,8 @@ class LLMEngine:
         if kv_allocator == "contiguous" and enable_prefix_caching:
             raise ConfigError("prefix caching needs the paged allocator (kv_allocator='paged'); "
                               "turn one of them off")
+        if kv_allocator == "contiguous":   # it never preempts: a swap pool would sit unused
+            cache_config = dataclasses.replace(cache_config, swap_space=0)
         if not (isinstance(log_stats_interval, (int, float)) and log_stats_interval >= 0):
             raise ConfigError(f"log_stats_interval must be a number of seconds >= 0 (0: never), "
                               f"got {log_stats_interval!r}")

@@ -159,6 +159,7 @@ def test_pictures_show_the_contiguous_reservation(tiny_model_dir):
     # the run is 40 slots = 10 blocks: 2 mapped by A's table, the other 8 held for its future tokens
     assert reserved == engine.block_manager.reserved_blocks(seq) and len(reserved) == 8
     assert "8 reserved" in render_text(view) and "reserved for A" in render_svg(view)
+    assert engine.cache.num_cpu_blocks == 0    # it never preempts, so it gets no swap pool
 
 
 def test_the_docs_figures_are_up_to_date(tmp_path):
