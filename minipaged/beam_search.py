@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
 
 @dataclass(frozen=True)
 class BeamSearchParams:
@@ -112,3 +114,41 @@ def best_sequences(state: BeamState, running: list[Hypothesis], decode) -> list[
     pool.sort(key=lambda h: -beam_score(len(h.tokens), h.cum_logprob, h.ended_with_eos, p.length_penalty))
     return [BeamSearchSequence(h.tokens, decode(h.tokens), h.cum_logprob,
                                "stop" if h.ended_with_eos else "length") for h in pool[:p.beam_width]]
+
+
+def advance_beams(group: SequenceGroup, beams: list[Sequence], logprobs: np.ndarray, block_manager,
+                  new_seq_id, max_model_len: int) -> None:
+    """Replace the group's beams by the best proposals: fork survivors, prune the rest.
+
+    beams: the group's running beams, in rank order; logprobs (len(beams), vocab): each
+    beam's next-token log-probabilities; new_seq_id() names a forked child.
+    """
+    state = group.beam
+    running, ended = propose([b.cumulative_logprob for b in beams], logprobs, state)
+    for p in ended:
+        state.finished.append(Hypothesis(beams[p.parent].token_ids + [p.token], p.cum_logprob, True))
+    children: dict[int, list] = {}
+    for p in running:
+        children.setdefault(p.parent, []).append(p)
+    new_beams: dict[int, Sequence] = {}          # proposal rank -> its sequence
+    for index, parent in enumerate(beams):
+        proposals = children.get(index, [])
+        if not proposals:
+            block_manager.free(parent)           # pruned: what only it held is free at once
+            continue
+        for p in proposals[1:]:                  # extra survivors fork before the parent moves on
+            child = Sequence(new_seq_id(), list(parent.prompt_token_ids),
+                             list(parent.output_token_ids), status=parent.status,
+                             num_computed_tokens=parent.num_computed_tokens,
+                             cumulative_logprob=parent.cumulative_logprob)
+            block_manager.fork(parent, child)
+            child.append_token(p.token, p.logprob)
+            new_beams[running.index(p)] = child
+        parent.append_token(proposals[0].token, proposals[0].logprob)
+        new_beams[running.index(proposals[0])] = parent
+    group.seqs = [new_beams[rank] for rank in sorted(new_beams)]   # best first
+    done = (group.seqs[0].num_output_tokens >= state.params.max_tokens
+            or group.seqs[0].num_tokens >= max_model_len)
+    if done:
+        for seq in group.seqs:
+            seq.status = SequenceStatus.FINISHED_LENGTH

@@ -34,11 +34,11 @@ from .model.weights import load_checkpoint
 from .model_runner import ModelRunner, build_model_input
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
-from .beam_search import BeamSearchParams, BeamState, Hypothesis, propose
+from .beam_search import BeamSearchParams, BeamState, advance_beams
 from .sampler import Sampler, SampleRequest, log_softmax, to_host
 from .sampling_params import OutputKind, SamplingParams, derive_seed
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceGroup, SequenceStatus
+from .sequence import Sequence, SequenceGroup
 
 
 logger = logging.getLogger("minipaged")
@@ -308,44 +308,13 @@ class LLMEngine:
             beams.setdefault(item.group.request_id, []).append((seq, beam_logprobs[i]))
             touched[item.group.request_id] = item.group
         for request_id, pairs in beams.items():
-            self._advance_beams(self.groups[request_id], [p[0] for p in pairs], np.stack([p[1] for p in pairs]))
+            advance_beams(self.groups[request_id], [p[0] for p in pairs], np.stack([p[1] for p in pairs]),
+                          self.block_manager, lambda: next(self._seq_ids), self.max_model_len)
         for group in touched.values():
             if group.first_token_time is None:
                 group.first_token_time = now
                 self.metrics.ttfts.append(now - group.arrival_time)
         return len(model_input.sampled)
-
-    def _advance_beams(self, group: SequenceGroup, beams: list[Sequence], logprobs: np.ndarray) -> None:
-        """Replace the group's beams by the best proposals: fork survivors, prune the rest."""
-        state = group.beam
-        running, ended = propose([b.cumulative_logprob for b in beams], logprobs, state)
-        for p in ended:
-            state.finished.append(Hypothesis(beams[p.parent].token_ids + [p.token], p.cum_logprob, True))
-        children: dict[int, list] = {}
-        for p in running:
-            children.setdefault(p.parent, []).append(p)
-        new_beams: dict[int, Sequence] = {}          # proposal rank -> its sequence
-        for index, parent in enumerate(beams):
-            proposals = children.get(index, [])
-            if not proposals:
-                self.block_manager.free(parent)      # pruned: what only it held is free at once
-                continue
-            for p in proposals[1:]:                  # extra survivors fork before the parent moves on
-                child = Sequence(next(self._seq_ids), list(parent.prompt_token_ids),
-                                 list(parent.output_token_ids), status=parent.status,
-                                 num_computed_tokens=parent.num_computed_tokens,
-                                 cumulative_logprob=parent.cumulative_logprob)
-                self.block_manager.fork(parent, child)
-                child.append_token(p.token, p.logprob)
-                new_beams[running.index(p)] = child
-            parent.append_token(proposals[0].token, proposals[0].logprob)
-            new_beams[running.index(proposals[0])] = parent
-        group.seqs = [new_beams[rank] for rank in sorted(new_beams)]   # best first
-        done = (group.seqs[0].num_output_tokens >= state.params.max_tokens
-                or group.seqs[0].num_tokens >= self.max_model_len)
-        if done:
-            for seq in group.seqs:
-                seq.status = SequenceStatus.FINISHED_LENGTH
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict:
