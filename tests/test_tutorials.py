@@ -161,3 +161,11 @@ def test_t12_production_knobs():
     assert "first token at step [1, 1, 1, 9, 9, 9, 17, 17]" in out
     assert "swap, swap_space 2 blocks       80       1    0      1          0        2           384" in out
     assert "only 99 usable blocks" in out
+
+
+def test_readme_states_the_core_engine_line_count():
+    readme = (ROOT / "README.md").read_text()
+    stated = int(re.search(r"Together they are (\d+) lines", readme).group(1))
+    core = ["sequence", "block_allocator", "block_table", "block_manager", "prefix_cache", "scheduler", "engine"]
+    actual = sum(len((ROOT / "minipaged" / f"{name}.py").read_text().splitlines()) for name in core)
+    assert stated == actual, f"README says {stated} lines, the core engine has {actual}"
