@@ -21,7 +21,7 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
     contiguous allocator, which has none, is chosen."""
     g = p.add_argument_group("engine")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default="paged" if prefix_caching else False,
+                   default=None if prefix_caching else False,   # None: on, unless contiguous
                    help="reuse the KV blocks of prompt prefixes seen before (default: "
                         f"{'on with the paged allocator' if prefix_caching else 'off'})")
     g.add_argument("--log-stats-interval", type=float, default=log_stats_interval, metavar="SECONDS",
@@ -76,7 +76,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 num_scheduler_steps=args.num_scheduler_steps, seed=args.seed,
                 log_stats_interval=args.log_stats_interval,
-                enable_prefix_caching=(args.kv_allocator == "paged" if args.enable_prefix_caching == "paged"
+                enable_prefix_caching=(args.kv_allocator == "paged" if args.enable_prefix_caching is None
                                        else args.enable_prefix_caching),
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_allocator=args.kv_allocator, contiguous_reserve=args.contiguous_reserve)
