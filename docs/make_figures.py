@@ -9,10 +9,10 @@
 
 from pathlib import Path
 
-from minipaged.block_manager import BlockManager
+from minipaged.memory.block_manager import BlockManager
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
-from minipaged.viz import render_svg, render_text, snapshot
+from minipaged.tools.viz import render_svg, render_text, snapshot
 
 OUT = Path(__file__).parent / "img"
 WORDS: list[str] = []

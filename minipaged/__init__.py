@@ -4,44 +4,26 @@
     llm = LLM()                                   # SmolLM2-135M-Instruct, fetched on first use
     out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=32))
     print(out[0].outputs[0].text)
+
+The package is laid out as the operating system it mirrors (docs/architecture.md):
+
+    memory/       the virtual-memory manager: frames, page tables, the page cache
+    scheduler/    the process scheduler: FCFS queues, budgets, preemption
+    engine/       the main loop and the machinery it drives (model runner, cache, sampler)
+    entrypoints/  the front doors: the command line, chat
+    tools/        instruments that measure and draw the engine (bench, gpu_check, viz)
+    model/        the process image: the Llama transformer, weights, tokenizer
+    kernels/      the hardware: paged attention, KV writes, block copies
+
+and at this level the vocabulary they all share: ``config``, ``sampling_params``,
+``outputs``, ``sequence``, plus ``boot`` (set up before numpy loads).
 """
 
-import os
-import sys
-
-# BLAS (numpy's matmuls) and Numba (our kernels) each keep a pool of threads on
-# the same few cores, and each pool busy-waits after its work, stealing the cores
-# the other needs next: a 0.5 ms matmul took 9 ms after a parallel kernel, and
-# decode attention ran at half speed between matmuls. So Numba's OpenMP threads
-# sleep at once (read when Numba starts its pool, at the first parallel kernel),
-# and OpenBLAS threads spin only 2**16 cycles (~25 us) before sleeping (read when
-# numpy loads OpenBLAS: this only takes effect if minipaged is imported first).
-THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-if "numpy" not in sys.modules:
-    THREAD_ENV["OPENBLAS_THREAD_TIMEOUT"] = "16"
-THREAD_ENV = {k: v for k, v in THREAD_ENV.items() if k not in os.environ}  # the user's choice wins
-os.environ.update(THREAD_ENV)
-
-import logging  # noqa: E402
-
-# One stderr line per notice ("[minipaged] no CUDA GPU found; running on the CPU");
-# MINIPAGED_LOG_LEVEL=WARNING silences them.
-_logger = logging.getLogger("minipaged")
-if not _logger.handlers:
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("[minipaged] %(message)s"))
-    _logger.addHandler(_handler)
-    _level = os.environ.get("MINIPAGED_LOG_LEVEL", "INFO").upper()
-    if _level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        _logger.warning("MINIPAGED_LOG_LEVEL=%r is not a log level (DEBUG, INFO, WARNING, ERROR, "
-                        "CRITICAL); using INFO", _level)
-        _level = "INFO"
-    _logger.setLevel(_level)
-    _logger.propagate = False
-
-from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from .engine import LLMEngine, RequestError
-from .llm import LLM
+from . import boot  # noqa: F401  (first: thread settings must precede numpy's import)
+from .engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from .engine.llm import LLM
+from .engine.llm_engine import LLMEngine
+from .engine.input_processor import RequestError
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import OutputKind, SamplingParams
 

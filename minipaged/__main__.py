@@ -1,6 +1,8 @@
+"""``python -m minipaged``: the command line (``entrypoints/cli.py``)."""
+
 import sys
 
-from minipaged.cli import main
+from minipaged.entrypoints.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

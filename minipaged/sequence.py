@@ -3,6 +3,10 @@
 A *request* is a SequenceGroup (a job). Each of its sequences (a process) owns a
 block table in the block manager, the way each process owns a page table.
 Parallel samples and beams are several sequences of one group.
+
+This is the process descriptor (an OS's task struct), read by both the memory
+manager (memory/) and the scheduler (scheduler/); it lives at the top of the
+package, below both, so that neither has to import the other's room.
 """
 
 from __future__ import annotations
@@ -10,10 +14,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # only for type hints; keeps this module free of numpy/model imports
-    from .beam_search import BeamState
     from .sampling_params import SamplingParams
 
 
@@ -93,7 +96,10 @@ class SequenceGroup:
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_index: int = -1      # FCFS order, set by the scheduler when the request is added
-    beam: "BeamState | None" = None  # set for a beam search request (see beam_search.py)
+    # A beam search's state (engine/beam_search.py: BeamState), None for sampling. The
+    # scheduler only asks whether it is set: the beams themselves
+    # are chosen by the engine, above them.
+    beam: Any = None
     first_token_time: float | None = None
     finished_time: float | None = None
 
@@ -110,7 +116,8 @@ class SequenceGroup:
     def num_seqs_reserved(self) -> int:
         """Sequences this request may run at once: a beam search grows to beam_width."""
         live = len(self.unfinished_seqs())
-        return max(live, self.beam.params.beam_width) if self.beam is not None and live else live
+        # a beam search runs with n = beam_width (engine/input_processor.py)
+        return max(live, self.sampling_params.n) if self.beam is not None and live else live
 
     def set_status(self, status: SequenceStatus) -> None:
         for seq in self.unfinished_seqs():

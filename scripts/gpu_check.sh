@@ -28,4 +28,4 @@ cupy.RawModule(code='#include <cuda_fp16.h>\nextern "C" __global__ void k(__half
 print("fp16 compile: ok")
 PYEOF
 timeout 100 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.txt"
-timeout 420 $PY -m minipaged.gpu_check --out "$OUT" 2>&1 | tail -60
+timeout 420 $PY -m minipaged.tools.gpu_check --out "$OUT" 2>&1 | tail -60

@@ -2,7 +2,7 @@ import json
 import sys
 from pathlib import Path
 
-import minipaged  # noqa: F401  (first, so OpenBLAS is told not to spin; see minipaged/__init__.py)
+import minipaged  # noqa: F401  (first, so OpenBLAS is told not to spin; see minipaged/boot.py)
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_model.py

@@ -10,9 +10,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minipaged.block_allocator import BlockAllocator
-from minipaged.block_manager import AllocStatus, BlockManager, blocks_for
-from minipaged.block_table import BlockTable
+from minipaged.memory.block_allocator import BlockAllocator
+from minipaged.memory.block_manager import AllocStatus, BlockManager, blocks_for
+from minipaged.memory.block_table import BlockTable
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
 

@@ -10,7 +10,7 @@ from minipaged.config import ConfigError
 from minipaged.model.config import LlamaConfig
 from minipaged.model.reference import DenseReference
 from minipaged.model.weights import load_checkpoint
-from minipaged.sampler import log_softmax
+from minipaged.engine.sampler import log_softmax
 
 NEAR_TIE = 1e-3
 

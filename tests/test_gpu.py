@@ -7,7 +7,7 @@ and CuPy to run them (scripts/gpu_check.sh).
 import numpy as np
 import pytest
 
-from minipaged.backend import cuda_available
+from minipaged.engine.backend import cuda_available
 from minipaged.kernels import reference as spec
 from minipaged.kernels.layout import AttentionMetadata
 
@@ -56,7 +56,7 @@ def test_gpu_attention_matches_the_spec(dtype):
 def test_gpu_swap_round_trip_is_bit_exact():
     import cupy
 
-    from minipaged.cache_engine import _pinned
+    from minipaged.engine.cache_engine import _pinned
     from minipaged.kernels.cuda import gpu_ops
 
     ops = gpu_ops()

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from minipaged import LLM, LLMEngine, SamplingParams
 from minipaged.config import SchedulerConfig
-from minipaged.contiguous_allocator import ContiguousBlockManager
-from minipaged.fragmentation import measure, summarize
-from minipaged.scheduler import Scheduler
+from minipaged.memory.contiguous_allocator import ContiguousBlockManager
+from minipaged.memory.fragmentation import measure, summarize
+from minipaged.scheduler.scheduler import Scheduler
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
-from minipaged.viz import engine_snapshot, render_svg, render_text
+from minipaged.tools.viz import engine_snapshot, render_svg, render_text
 
 ROOT = Path(__file__).parents[1]
 

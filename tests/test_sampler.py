@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from minipaged.sampler import Sampler, SampleRequest, log_softmax, shaped_probs
+from minipaged.engine.sampler import Sampler, SampleRequest, log_softmax, shaped_probs
 from minipaged.sampling_params import SamplingParams
 
 LOGITS = np.log(np.array([0.05, 0.4, 0.3, 0.15, 0.1], dtype=np.float64))  # probabilities in disguise

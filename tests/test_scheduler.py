@@ -14,10 +14,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minipaged.block_manager import BlockManager, blocks_for
+from minipaged.memory.block_manager import BlockManager, blocks_for
 from minipaged.config import SchedulerConfig
 from minipaged.sampling_params import SamplingParams
-from minipaged.scheduler import AUTO_RECOMPUTE_MAX_TOKENS, Scheduler, SchedulerOutput
+from minipaged.scheduler.scheduler import AUTO_RECOMPUTE_MAX_TOKENS, Scheduler, SchedulerOutput
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 

@@ -12,7 +12,7 @@ from minipaged import LLM, BeamSearchParams, LLMEngine, SamplingParams
 from minipaged.model.config import LlamaConfig
 from minipaged.model.reference import DenseReference
 from minipaged.model.weights import load_checkpoint
-from minipaged.sampler import log_softmax
+from minipaged.engine.sampler import log_softmax
 from minipaged.sampling_params import derive_seed
 
 SWAP_GIB = 0.002
@@ -123,7 +123,8 @@ def test_sample_i_equals_a_request_seeded_with_its_derived_seed(tiny_model_dir):
                                                        seed=derive_seed(7, i), ignore_eos=True),
                                 use_tqdm=False)[0].outputs[0]
         assert completion.token_ids == alone.token_ids
-        assert completion.cumulative_logprob == pytest.approx(alone.cumulative_logprob, abs=1e-5)
+        # float32 logits from a batch of 4 and of 1 (BLAS picks other kernels): the engine's 1e-4 rule
+        assert completion.cumulative_logprob == pytest.approx(alone.cumulative_logprob, abs=1e-4)
     again = engine.generate(prompt, params, use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 

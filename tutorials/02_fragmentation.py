@@ -49,7 +49,7 @@ Exercises (also printed at the end):
 import os
 
 from minipaged import LLMEngine, SamplingParams
-from minipaged.block_manager import blocks_for
+from minipaged.memory.block_manager import blocks_for
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
 BLOCK_SIZE = 4

@@ -21,10 +21,10 @@ Run it:  python tutorials/03_blocks_and_block_tables.py
 import os
 
 from minipaged import LLMEngine, SamplingParams
-from minipaged.block_allocator import BlockAllocator
-from minipaged.block_manager import AllocStatus, BlockManager, blocks_for
+from minipaged.memory.block_allocator import BlockAllocator
+from minipaged.memory.block_manager import AllocStatus, BlockManager, blocks_for
 from minipaged.sequence import Sequence, SequenceGroup
-from minipaged import viz
+from minipaged.tools import viz
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 8
@@ -159,7 +159,7 @@ assert bm.num_free_blocks == NUM_BLOCKS and not bm.tables
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
 print(f"\n11. The same walk-through on the real engine ({MODEL}), drawn from its state")
-# minipaged.viz reads the block manager and the running sequences; nothing is drawn by hand.
+# minipaged.tools.viz reads the block manager and the running sequences; nothing is drawn by hand.
 ENGINE_BLOCK = BLOCK_SIZE                  # the engine's block size here (exercise 1 changes it)
 engine = LLMEngine(MODEL, device="cpu", block_size=ENGINE_BLOCK, num_blocks=NUM_BLOCKS * BLOCK_SIZE // ENGINE_BLOCK)
 greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

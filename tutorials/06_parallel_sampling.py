@@ -20,7 +20,7 @@ import dataclasses
 import os
 
 from minipaged import LLMEngine, SamplingParams
-from minipaged.block_manager import blocks_for
+from minipaged.memory.block_manager import blocks_for
 from minipaged.sampling_params import derive_seed
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")

@@ -19,7 +19,7 @@ Run it:  python tutorials/07_beam_search.py
 import os
 
 from minipaged import LLM, BeamSearchParams, LLMEngine
-from minipaged.beam_search import beam_score
+from minipaged.engine.beam_search import beam_score
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
 BLOCK = 8

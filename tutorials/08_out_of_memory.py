@@ -23,8 +23,8 @@ import os
 
 from minipaged import LLMEngine, SamplingParams  # before numpy: it sets up numpy's thread pools
 import numpy as np
-from minipaged.block_manager import blocks_for
-from minipaged.scheduler import AUTO_RECOMPUTE_MAX_TOKENS
+from minipaged.memory.block_manager import blocks_for
+from minipaged.scheduler.scheduler import AUTO_RECOMPUTE_MAX_TOKENS
 from minipaged.sequence import SequenceStatus
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
@@ -181,7 +181,7 @@ print("copies for compute, recomputation compute for copies, and no output token
 print("""
 Exercises:
   1. What if the swap space cannot hold a victim? Read Scheduler._preempt in
-     minipaged/scheduler.py and predict what preemption_mode="swap" does then, and which
+     minipaged/scheduler/scheduler.py and predict what preemption_mode="swap" does then, and which
      get_stats() counters show it; tutorial 12 (step 5) runs exactly that case to check.
   2. Give request A max_tokens=40. Which request is preempted, and how many times? Why is it
      never A, the first to arrive?""")

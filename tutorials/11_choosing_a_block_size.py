@@ -33,10 +33,10 @@ import time
 
 from minipaged import LLMEngine, SamplingParams  # before numpy: it sets up numpy's thread pools
 import numpy as np
-from minipaged.bench import make_prompts
-from minipaged.block_manager import blocks_for
+from minipaged.tools.workloads import make_prompts
+from minipaged.memory.block_manager import blocks_for
 from minipaged.kernels.layout import AttentionMetadata, kv_cache_shape
-from minipaged.metrics import Metrics
+from minipaged.engine.metrics import Metrics
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
 BLOCK_SIZES = (4, 8, 16, 32, 64)

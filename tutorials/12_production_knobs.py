@@ -26,7 +26,7 @@ Run it:  python tutorials/12_production_knobs.py
 Exercises (also printed at the end):
   1. In step 5, give the "swap, swap_space 2 blocks" run (SMALL_SWAP_BLOCKS) exactly as many
      CPU blocks as the largest request's final table takes. Does it swap now, or still
-     recompute? Read _preempt in minipaged/scheduler.py to check.
+     recompute? Read _preempt in minipaged/scheduler/scheduler.py to check.
   2. In step 3, set CAPPED (the capped run's knobs) to dict(max_num_seqs=8,
      max_num_batched_tokens=40, enable_chunked_prefill=True). Which knob now sets the pace,
      and what do num_waiting and the TTFT steps show?
@@ -39,14 +39,14 @@ import tempfile
 from pathlib import Path
 
 from minipaged import LLMEngine, RequestError, SamplingParams  # before numpy: it sets up numpy's thread pools
-from minipaged.bench import make_prompts
-from minipaged.block_manager import blocks_for
-from minipaged.cache_engine import DEFAULT_CPU_KV_SPACE_GIB, GIB
-from minipaged.cli import main as cli_main
+from minipaged.tools.workloads import make_prompts
+from minipaged.memory.block_manager import blocks_for
+from minipaged.engine.cache_engine import DEFAULT_CPU_KV_SPACE_GIB, GIB
+from minipaged.entrypoints.cli import main as cli_main
 from minipaged.config import CacheConfig, ConfigError, SchedulerConfig
 from minipaged.kernels.layout import kv_bytes_per_block
 from minipaged.model.random_llama import write_tiny_llama
-from minipaged.scheduler import AUTO_RECOMPUTE_MAX_TOKENS
+from minipaged.scheduler.scheduler import AUTO_RECOMPUTE_MAX_TOKENS
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
 TMP = tempfile.TemporaryDirectory()
@@ -142,7 +142,7 @@ print(f"  left at None, kv_cache_space is {DEFAULT_CPU_KV_SPACE_GIB:g} GiB: {def
       f"({default_blocks * 16} slots); num_blocks=N, if given, overrides both this and the GPU sizing")
 # On a GPU (float16 KV) the pool is what a profiling pass leaves of gpu_memory_utilization x memory:
 #   num_blocks = (gpu_memory_utilization * total - peak of weights + activations) // bytes_per_block
-# (profile_gpu_num_blocks in minipaged/cache_engine.py). The weights we can count here; the
+# (profile_gpu_num_blocks in minipaged/engine/cache_engine.py). The weights we can count here; the
 # activations are measured by that pass on the real GPU, so 1 GiB below is only an assumption.
 weights = sum(a.nbytes for a in (real.model.embed, real.model.lm_head, real.model.final_norm))
 weights += sum(w.nbytes for layer in real.model.layers for w in vars(layer).values())

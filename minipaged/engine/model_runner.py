@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.layout import AttentionMetadata
-from .model.llama import LlamaModel
-from .scheduler import ScheduledSeq
-from .sequence import Sequence
+from ..kernels.layout import AttentionMetadata
+from ..model.llama import LlamaModel
+from ..scheduler.scheduler import ScheduledSeq
+from ..sequence import Sequence
 
 
 @dataclass

@@ -26,9 +26,9 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import AllocStatus, BlockManager
-from .config import SchedulerConfig
-from .sequence import Sequence, SequenceGroup, SequenceStatus
+from ..memory.block_manager import AllocStatus, BlockManager
+from ..config import SchedulerConfig
+from ..sequence import Sequence, SequenceGroup, SequenceStatus
 
 # preemption_mode="auto": a request holding at most this many tokens is recomputed
 # rather than swapped. Recomputing 64 tokens is one small prefill that rides along

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 @dataclass

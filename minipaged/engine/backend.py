@@ -38,7 +38,7 @@ def cuda_available() -> bool:
 def select_backend(device: str, dtype: str) -> Backend:
     """CUDA when asked for (or, with "auto", when CuPy sees a GPU), else the CPU."""
     if device in ("cuda", "auto") and cuda_available():
-        from .kernels.cuda import gpu_ops  # noqa: PLC0415 (needs CuPy; compiles the .cu files once)
+        from ..kernels.cuda import gpu_ops  # noqa: PLC0415 (needs CuPy; compiles the .cu files once)
 
         return Backend("cuda", gpu_ops(), np.dtype(np.float32 if dtype == "float32" else np.float16))
     if device == "cuda":
@@ -48,7 +48,7 @@ def select_backend(device: str, dtype: str) -> Backend:
         logger.info("no CUDA GPU found; running on the CPU")
     if dtype not in ("auto", "float32"):
         raise ValueError(f"dtype={dtype!r} is not supported on the CPU; use 'float32' or 'auto'")
-    from .kernels import cpu  # noqa: PLC0415 (compiles Numba kernels on first use)
+    from ..kernels import cpu  # noqa: PLC0415 (compiles Numba kernels on first use)
 
     if "OPENBLAS_THREAD_TIMEOUT" not in os.environ:
         logger.info("numpy was imported before minipaged, so its BLAS threads busy-wait after "

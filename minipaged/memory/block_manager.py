@@ -17,7 +17,7 @@ import enum
 from .block_allocator import BlockAllocator
 from .block_table import BlockTable
 from .prefix_cache import PrefixCache, chain_hash, prompt_block_hashes
-from .sequence import Sequence, SequenceGroup
+from ..sequence import Sequence, SequenceGroup
 
 
 class AllocStatus(enum.Enum):

@@ -8,7 +8,7 @@ the difference, holding it back while it ends in half a character.
 
 from __future__ import annotations
 
-from .sequence import Sequence
+from ..sequence import Sequence
 
 # Tokens of left context kept in the decode window.
 CONTEXT_TOKENS = 5

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import CacheConfig
-from .kernels.layout import kv_bytes_per_block, kv_cache_shape
+from ..config import CacheConfig
+from ..kernels.layout import kv_bytes_per_block, kv_cache_shape
 
 DEFAULT_CPU_KV_SPACE_GIB = 4.0  # as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE)
 GIB = 1 << 30
@@ -89,7 +89,7 @@ def profile_gpu_num_blocks(model, model_config, cache_config: CacheConfig, max_n
     what remains of ``gpu_memory_utilization`` of the device's memory."""
     import cupy  # noqa: PLC0415
 
-    from .kernels.layout import AttentionMetadata  # noqa: PLC0415
+    from ..kernels.layout import AttentionMetadata  # noqa: PLC0415
 
     c = model_config
     pool = cupy.get_default_memory_pool()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .sequence import Sequence, SequenceGroup, SequenceStatus
+from ..sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclass(frozen=True)

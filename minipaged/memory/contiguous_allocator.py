@@ -16,7 +16,7 @@ to be consecutive. Finding a run scans the pool (O(num_blocks)): fine for a base
 from __future__ import annotations
 
 from .block_manager import AllocStatus, BlockManager, blocks_for
-from .sequence import Sequence, SequenceGroup
+from ..sequence import Sequence, SequenceGroup
 from .block_table import BlockTable
 
 RESERVE_POLICIES = ("max_tokens", "max_model_len")

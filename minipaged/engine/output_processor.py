@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from .beam_search import Hypothesis, best_sequences
 from .detokenizer import detokenize_new_tokens
-from .outputs import CompletionOutput, RequestOutput
+from ..outputs import CompletionOutput, RequestOutput
 from .sampler import SampleResult
-from .sampling_params import OutputKind
-from .sequence import Sequence, SequenceGroup, SequenceStatus
+from ..sampling_params import OutputKind
+from ..sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class OutputProcessor:

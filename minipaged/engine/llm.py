@@ -7,11 +7,11 @@ import itertools
 
 from tqdm.auto import tqdm
 
-from .engine import LLMEngine
-from .model.fetch import DEFAULT_MODEL
-from .outputs import RequestOutput
+from .llm_engine import LLMEngine
+from ..model.fetch import DEFAULT_MODEL
+from ..outputs import RequestOutput
 from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from .sampling_params import OutputKind, SamplingParams
+from ..sampling_params import OutputKind, SamplingParams
 
 
 class LLM:

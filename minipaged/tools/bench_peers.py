@@ -1,16 +1,38 @@
 """Peers for ``bench --peer hf``: the same workload through Hugging Face transformers ``generate``.
 
-Runs in its own process (``python -m minipaged.bench_peers``), so torch's thread
-pool and ours never share an address space, and prints one JSON line. Needs
-``pip install -e ".[peers]"`` (torch, transformers); minipaged itself never imports it.
+``run_peer`` starts the peer in its own process (``python -m minipaged.tools.bench_peers``),
+so torch's thread pool and ours never share an address space; the child prints one
+JSON line. Needs ``pip install -e ".[peers]"`` (torch, transformers); minipaged itself
+never imports them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
+
+from ..boot import THREAD_ENV
+
+
+def run_peer(peer: str, model_dir: str, prompts: list[list[int]], output_len: int,
+             device: str = "cpu", dtype: str = "float32") -> dict:
+    """Run a peer on the same prompts in a child process (its threads never meet ours)."""
+    import numba  # noqa: PLC0415 (only to ask how many threads we run)
+
+    cmd = [sys.executable, "-m", "minipaged.tools.bench_peers", peer, "--model-dir", model_dir,
+           "--output-len", str(output_len), "--threads", str(numba.get_num_threads()),
+           "--device", device, "--dtype", dtype]
+    # The peer gets the environment the user gave us, not our thread settings
+    # (passive OpenMP waiting would slow torch's own pool down).
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_ENV}
+    done = subprocess.run(cmd, input=json.dumps(prompts), capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {peer} peer failed (is the 'peers' extra installed?):\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def hf_generate(model_dir: str, prompts: list[list[int]], output_len: int, threads: int,

@@ -6,6 +6,8 @@ One ``step()`` is one trip round this data flow (docs/architecture.md, "One engi
     ModelRunner.execute() -> write new K/V into their slots, paged attention, logits
     Sampler               -> next tokens
     OutputProcessor       -> text, stop rules; finished sequences free their blocks
+
+Requests are checked before they are queued by the InputProcessor (input_processor.py).
 """
 
 from __future__ import annotations
@@ -14,46 +16,32 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from ..memory.block_manager import BlockManager
+from ..memory.contiguous_allocator import ContiguousBlockManager
+from ..memory.fragmentation import KVBreakdown, measure, summarize
+from ..model.config import LlamaConfig
+from ..model.fetch import DEFAULT_MODEL, resolve_model
+from ..model.llama import LlamaModel
+from ..model.tokenizer import Tokenizer
+from ..model.weights import load_checkpoint
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams, derive_seed
+from ..scheduler.scheduler import Scheduler
+from ..sequence import SequenceGroup
 from .backend import select_backend
-from .block_manager import BlockManager, blocks_for
+from .beam_search import BeamSearchParams, advance_beams
 from .cache_engine import CacheEngine, profile_gpu_num_blocks
-from .config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
-from .contiguous_allocator import ContiguousBlockManager
-from .fragmentation import KVBreakdown, measure, summarize
-from .detokenizer import start_offsets
+from .input_processor import InputProcessor, PromptInput, RequestError
 from .metrics import Metrics
-from .model.config import LlamaConfig
-from .model.fetch import DEFAULT_MODEL, resolve_model
-from .model.llama import LlamaModel
-from .model.tokenizer import Tokenizer
-from .model.weights import load_checkpoint
 from .model_runner import ModelRunner, build_model_input
 from .output_processor import OutputProcessor
-from .outputs import RequestOutput
-from .beam_search import BeamSearchParams, BeamState, advance_beams
 from .sampler import Sampler, SampleRequest, log_softmax, to_host
-from .sampling_params import OutputKind, SamplingParams, derive_seed
-from .scheduler import Scheduler
-from .sequence import Sequence, SequenceGroup
-
 
 logger = logging.getLogger("minipaged")
-
-
-class RequestError(ValueError):
-    """A request was refused before it was queued; no other request is affected."""
-
-
-@dataclass(frozen=True)
-class PromptInput:
-    """A prompt after tokenization: the ids, and the text if there was one."""
-
-    token_ids: list[int]
-    text: str | None
 
 
 class LLMEngine:
@@ -126,6 +114,8 @@ class LLMEngine:
         self.sampler = Sampler(self.backend.xp)
         eos = set(self.tokenizer.stop_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
+                                              self.max_model_len, self.block_manager, kv_allocator)
         self.metrics = Metrics()
         self.log_stats_interval = log_stats_interval   # seconds between log lines; 0 = never
         self._last_log_time = time.monotonic()
@@ -137,61 +127,21 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt) -> PromptInput:
         """Accept a str, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-                if not isinstance(prompt, (list, tuple)):
-                    raise RequestError(f"prompt_token_ids must be a list of ints, got {type(prompt).__name__}")
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise RequestError("a prompt dict needs a 'prompt' or a 'prompt_token_ids' key")
-        if isinstance(prompt, str):
-            return PromptInput(self.tokenizer.encode(prompt, add_special_tokens=True), prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-            return PromptInput([int(t) for t in prompt], None)
-        raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-
+        return self.input_processor.tokenize(prompt)
 
     def _make_group(self, request_id: str, prompt, params: SamplingParams | None) -> SequenceGroup:
         """Validate and build a request without queueing it; raises RequestError."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        self._check_new_id(request_id)
+        return self.input_processor.make_group(request_id, prompt, params, self._seq_ids)
+
+    def _make_beam_group(self, request_id: str, prompt, params: BeamSearchParams) -> SequenceGroup:
+        """A beam search starts as one sequence; beams fork from it after the prompt."""
+        self._check_new_id(request_id)
+        return self.input_processor.make_beam_group(request_id, prompt, params, self._seq_ids)
+
+    def _check_new_id(self, request_id: str) -> None:
         if request_id in self.groups:
             raise RequestError(f"request id {request_id!r} is already in use")
-        p = self.tokenize(prompt)
-        ids = p.token_ids
-        if not ids:
-            raise RequestError("the prompt is empty (it has no tokens)")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (ids 0..{vocab - 1})")
-        if len(ids) > self.max_model_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len="
-                               f"{self.max_model_len}")
-        # The most KV slots this request can ever hold at once: the last sampled
-        # token is never written, so min(prompt + max_tokens, max_model_len) - 1.
-        # Counted without sharing: a preempted n-sample request is recomputed sample by sample.
-        longest = max(len(ids), min(len(ids) + params.max_tokens, self.max_model_len) - 1)
-        if self.kv_allocator == "contiguous":
-            if params.n != 1:
-                raise RequestError("the contiguous allocator serves one sequence a request (n=1, no beams)")
-            longest = self.block_manager.reservation_tokens(Sequence(-1, ids), params.max_tokens)
-        needed = params.n * blocks_for(longest, self.block_manager.block_size)
-        usable = self.block_manager.num_blocks - self.block_manager.watermark_blocks
-        if needed > usable:
-            samples = f"{params.n} samples x " if params.n > 1 else ""
-            raise RequestError(
-                f"the request may need {needed} KV blocks ({samples}{longest} cached tokens: prompt "
-                f"{len(ids)} + max_tokens {params.max_tokens} - 1, as the last token is never "
-                f"cached) but the pool has only {usable} usable blocks; give the cache more "
-                "blocks or lower max_tokens")
-        seqs = [Sequence(next(self._seq_ids), list(ids)) for _ in range(params.n)]
-        for seq in seqs:
-            start_offsets(seq)
-        return SequenceGroup(request_id, seqs, params, prompt=p.text)
 
     def _queue(self, group: SequenceGroup) -> None:
         seed = group.sampling_params.seed
@@ -201,18 +151,6 @@ class LLMEngine:
             self.generators[seq.seq_id] = np.random.default_rng(derive_seed(seed, index))
         self.groups[group.request_id] = group
         self.scheduler.add_seq_group(group)
-
-    def _make_beam_group(self, request_id: str, prompt, params: BeamSearchParams) -> SequenceGroup:
-        """A beam search starts as one sequence; beams fork from it after the prompt."""
-        if not isinstance(params, BeamSearchParams):
-            raise RequestError(f"beam search needs BeamSearchParams, got {type(params).__name__}")
-        # The scheduler sees a greedy request of the same length; beams are chosen here.
-        inner = SamplingParams(n=params.beam_width, temperature=0.0, max_tokens=params.max_tokens,
-                               ignore_eos=True, detokenize=False, output_kind=OutputKind.FINAL_ONLY)
-        group = self._make_group(request_id, prompt, inner)
-        group.seqs = group.seqs[:1]
-        group.beam = BeamState(params, self.tokenizer.eos_token_id)
-        return group
 
     def add_beam_request(self, request_id: str, prompt, params: BeamSearchParams) -> None:
         """Queue a beam search; it reports once, when done, with beam_width ranked outputs."""

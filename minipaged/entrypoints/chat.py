@@ -11,9 +11,10 @@ import argparse
 import itertools
 import sys
 
-from .cli import engine_kwargs, sampling_params
-from .engine import LLMEngine, RequestError
-from .sampling_params import OutputKind
+from ..engine.input_processor import RequestError
+from ..engine.llm_engine import LLMEngine
+from ..sampling_params import OutputKind
+from .args import engine_kwargs, sampling_params
 
 HELP = "commands: /reset (forget the conversation), /stats (engine numbers), /exit (or Ctrl-D)"
 
@@ -88,7 +89,7 @@ class ChatSession:
     def pool_picture(self) -> str:
         """The KV pool after an answer: with prefix caching, the conversation's blocks stay
         in the page cache (free, but found again by the next turn)."""
-        from .viz import engine_snapshot, render_text  # noqa: PLC0415
+        from ..tools.viz import engine_snapshot, render_text  # noqa: PLC0415
 
         return render_text(engine_snapshot(self.engine), max_blocks=32)
 

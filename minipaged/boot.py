@@ -1,0 +1,40 @@
+"""Boot: what must happen before anything else loads (the boot loader of the analogy).
+
+Two settings cannot wait for a module that needs them: the thread pools read their
+environment variables when they start, and numpy starts OpenBLAS's pool when it is
+first imported. So ``minipaged/__init__.py`` imports this module first, before any
+module that imports numpy, and it imports nothing but the standard library.
+It also sets up the ``minipaged`` logger.
+"""
+
+import logging
+import os
+import sys
+
+# BLAS (numpy's matmuls) and Numba (our kernels) each keep a pool of threads on
+# the same few cores, and each pool busy-waits after its work, stealing the cores
+# the other needs next: a 0.5 ms matmul took 9 ms after a parallel kernel, and
+# decode attention ran at half speed between matmuls. So Numba's OpenMP threads
+# sleep at once (read when Numba starts its pool, at the first parallel kernel),
+# and OpenBLAS threads spin only 2**16 cycles (~25 us) before sleeping (read when
+# numpy loads OpenBLAS: this only takes effect if minipaged is imported first).
+THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+if "numpy" not in sys.modules:
+    THREAD_ENV["OPENBLAS_THREAD_TIMEOUT"] = "16"
+THREAD_ENV = {k: v for k, v in THREAD_ENV.items() if k not in os.environ}  # the user's choice wins
+os.environ.update(THREAD_ENV)
+
+# One stderr line per notice ("[minipaged] no CUDA GPU found; running on the CPU");
+# MINIPAGED_LOG_LEVEL=WARNING silences them.
+_logger = logging.getLogger("minipaged")
+if not _logger.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[minipaged] %(message)s"))
+    _logger.addHandler(_handler)
+    _level = os.environ.get("MINIPAGED_LOG_LEVEL", "INFO").upper()
+    if _level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        _logger.warning("MINIPAGED_LOG_LEVEL=%r is not a log level (DEBUG, INFO, WARNING, ERROR, "
+                        "CRITICAL); using INFO", _level)
+        _level = "INFO"
+    _logger.setLevel(_level)
+    _logger.propagate = False

@@ -1,0 +1,19 @@
+"""engine: the main loop (the OS kernel's) and the machinery it drives each step.
+
+    llm_engine.py        LLMEngine: add_request / step / abort_request / get_stats, the main loop
+    llm.py               LLM: generate / chat / beam_search, vLLM's offline API over one LLMEngine
+    input_processor.py   a request checked in full before it is queued (exec()'s checks): RequestError
+    backend.py           the hardware abstraction layer: picks the device and the kernel namespace
+    cache_engine.py      physical memory and swap space: owns the KV pool and the CPU swap pool,
+                         executes the memory manager's copy and swap plans (the DMA driver)
+    model_runner.py      loads the page-table base registers: one step flattened into arrays
+                         and AttentionMetadata, then the model's forward pass
+    sampler.py           next tokens: greedy, temperature, top-k / top-p / min-p, seeds, logprobs
+    beam_search.py       beams as forked processes: proposals, ranking, fork the survivors, free the rest
+    detokenizer.py       incremental detokenization: text grows token by token
+    output_processor.py  stop rules and RequestOutputs (the system call's return values)
+    metrics.py           the counters behind get_stats() and the periodic log line (top)
+
+It drives the scheduler (scheduler/) and the memory manager (memory/) below it, and the
+model (model/) and the kernels (kernels/) through the backend's kernel namespace.
+"""

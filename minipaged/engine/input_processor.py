@@ -1,0 +1,118 @@
+"""InputProcessor: a request is checked in full before it is queued (exec()'s checks).
+
+An OS refuses to start a program it cannot load: a bad format, more memory than
+the machine has. This module does the same for requests: it turns a prompt into
+token ids, checks the ids, the length and the sampling parameters, and works out
+the most KV blocks the request can ever need; only a request that could run alone
+in the pool becomes a SequenceGroup. Everything here raises ``RequestError`` and
+changes nothing, so a refused request never disturbs the ones already running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..memory.block_manager import BlockManager, blocks_for
+from ..model.tokenizer import Tokenizer
+from ..sampling_params import OutputKind, SamplingParams
+from ..sequence import Sequence, SequenceGroup
+from .beam_search import BeamSearchParams, BeamState
+from .detokenizer import start_offsets
+
+
+class RequestError(ValueError):
+    """A request was refused before it was queued; no other request is affected."""
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """A prompt after tokenization: the ids, and the text if there was one."""
+
+    token_ids: list[int]
+    text: str | None
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
+                 block_manager: BlockManager, kv_allocator: str) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.block_manager = block_manager
+        self.kv_allocator = kv_allocator   # "paged" or "contiguous" (reserves at admission)
+
+    def tokenize(self, prompt) -> PromptInput:
+        """Accept a str, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+                if not isinstance(prompt, (list, tuple)):
+                    raise RequestError(f"prompt_token_ids must be a list of ints, got {type(prompt).__name__}")
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise RequestError("a prompt dict needs a 'prompt' or a 'prompt_token_ids' key")
+        if isinstance(prompt, str):
+            return PromptInput(self.tokenizer.encode(prompt, add_special_tokens=True), prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return PromptInput([int(t) for t in prompt], None)
+        raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def make_group(self, request_id: str, prompt, params: SamplingParams | None,
+                   seq_ids: Iterator[int]) -> SequenceGroup:
+        """Validate and build a request (one sequence per sample) without queueing it."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        p = self.tokenize(prompt)
+        ids = p.token_ids
+        if not ids:
+            raise RequestError("the prompt is empty (it has no tokens)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (ids 0..{self.vocab_size - 1})")
+        if len(ids) > self.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len="
+                               f"{self.max_model_len}")
+        self._check_fits(ids, params)
+        seqs = [Sequence(next(seq_ids), list(ids)) for _ in range(params.n)]
+        for seq in seqs:
+            start_offsets(seq)
+        return SequenceGroup(request_id, seqs, params, prompt=p.text)
+
+    def make_beam_group(self, request_id: str, prompt, params: BeamSearchParams,
+                        seq_ids: Iterator[int]) -> SequenceGroup:
+        """A beam search starts as one sequence; beams fork from it after the prompt."""
+        if not isinstance(params, BeamSearchParams):
+            raise RequestError(f"beam search needs BeamSearchParams, got {type(params).__name__}")
+        # The scheduler sees a greedy request of the same length; beams are chosen by the engine.
+        inner = SamplingParams(n=params.beam_width, temperature=0.0, max_tokens=params.max_tokens,
+                               ignore_eos=True, detokenize=False, output_kind=OutputKind.FINAL_ONLY)
+        group = self.make_group(request_id, prompt, inner, seq_ids)
+        group.seqs = group.seqs[:1]
+        group.beam = BeamState(params, self.tokenizer.eos_token_id)
+        return group
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        """Refuse a request that could never run alone in the pool (it would wait forever)."""
+        manager = self.block_manager
+        # The most KV slots this request can ever hold at once: the last sampled
+        # token is never written, so min(prompt + max_tokens, max_model_len) - 1.
+        # Counted without sharing: a preempted n-sample request is recomputed sample by sample.
+        longest = max(len(ids), min(len(ids) + params.max_tokens, self.max_model_len) - 1)
+        if self.kv_allocator == "contiguous":
+            if params.n != 1:
+                raise RequestError("the contiguous allocator serves one sequence a request (n=1, no beams)")
+            longest = manager.reservation_tokens(Sequence(-1, ids), params.max_tokens)
+        needed = params.n * blocks_for(longest, manager.block_size)
+        usable = manager.num_blocks - manager.watermark_blocks
+        if needed > usable:
+            samples = f"{params.n} samples x " if params.n > 1 else ""
+            raise RequestError(
+                f"the request may need {needed} KV blocks ({samples}{longest} cached tokens: prompt "
+                f"{len(ids)} + max_tokens {params.max_tokens} - 1, as the last token is never "
+                f"cached) but the pool has only {usable} usable blocks; give the cache more "
+                "blocks or lower max_tokens")

@@ -1,0 +1,100 @@
+"""The engine and sampling flags every command shares, and what they turn into.
+
+``chat``, ``generate`` and ``bench`` take the same engine flags, with vLLM's names
+(``--block-size``, ``--max-num-seqs``, ...), so a command line moves between the two
+projects unchanged. Here they are declared once and turned into ``LLMEngine``
+keyword arguments and ``SamplingParams``; the commands themselves live in cli.py
+(and the benchmark's in tools/bench.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..model.fetch import DEFAULT_MODEL, KNOWN_MODELS
+from ..sampling_params import SamplingParams
+
+
+def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0,
+                     prefix_caching: bool = False) -> None:
+    """Engine flags. ``prefix_caching=True`` (chat) turns the page cache on unless the
+    contiguous allocator, which has none, is chosen."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None if prefix_caching else False,   # None: on, unless contiguous
+                   help="reuse the KV blocks of prompt prefixes seen before (default: "
+                        f"{'on with the paged allocator' if prefix_caching else 'off'})")
+    g.add_argument("--log-stats-interval", type=float, default=log_stats_interval, metavar="SECONDS",
+                   help="print a stats line (throughput, queues, KV usage, preemptions) this often "
+                        f"on stderr; 0 turns it off (default {log_stats_interval:g})")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a known model name ({', '.join(KNOWN_MODELS)}) or a Hugging Face "
+                        "Llama directory (config.json, *.safetensors, tokenizer.json)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where to run: 'auto' picks a CUDA GPU if CuPy sees one, else the CPU")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
+                   help="weight and KV cache dtype ('auto': float32 on the CPU)")
+    g.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block (a power of two); the page size of the KV cache")
+    g.add_argument("--num-blocks", type=int, default=None,
+                   help="number of KV blocks in the pool (overrides --kv-cache-space)")
+    g.add_argument("--kv-cache-space", type=float, default=None,
+                   help="KV pool size in GiB on the CPU (default 4)")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most sequences running in one batch")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context length)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: max(2048, max_num_seqs, max_model_len); "
+                        "with chunked prefill max(2048, max_num_seqs))")
+    g.add_argument("--swap-space", type=float, default=4.0,
+                   help="GiB of CPU memory for KV blocks swapped out by preemption")
+    g.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"],
+                   help="how a preempted request gives its blocks back: swap them to CPU memory, "
+                        "drop them and recompute later, or auto (swap unless short or the swap "
+                        "space is full)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
+                   help="split long prompts into chunks that share steps with running decodes")
+    g.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps run per scheduling decision (multi-step scheduling)")
+    g.add_argument("--kv-allocator", default="paged", choices=["paged", "contiguous"],
+                   help="paged (PagedAttention) or the contiguous baseline: one run of blocks reserved "
+                        "per request at admission, as systems before vLLM did")
+    g.add_argument("--contiguous-reserve", default="max_model_len", choices=["max_model_len", "max_tokens"],
+                   help="what the contiguous baseline reserves: max_model_len slots, or prompt + max_tokens")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="GPU: share of the device's memory for weights, activations and the KV cache")
+    g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                num_blocks=args.num_blocks, kv_cache_space=args.kv_cache_space,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                max_num_batched_tokens=args.max_num_batched_tokens, swap_space=args.swap_space,
+                preemption_mode=args.preemption_mode,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                num_scheduler_steps=args.num_scheduler_steps, seed=args.seed,
+                log_stats_interval=args.log_stats_interval,
+                enable_prefix_caching=(args.kv_allocator == "paged" if args.enable_prefix_caching is None
+                                       else args.enable_prefix_caching),
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                kv_allocator=args.kv_allocator, contiguous_reserve=args.contiguous_reserve)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float,
+                       top_p: float) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer")
+    g.add_argument("--temperature", type=float, default=temperature, help="0 means greedy")
+    g.add_argument("--top-p", type=float, default=top_p, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely (-1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of each request's sampler")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
+
+
+def sampling_params(args: argparse.Namespace, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
+                          ignore_eos=args.ignore_eos, **extra)

@@ -1,0 +1,156 @@
+"""The command line: ``python -m minipaged chat | generate | fetch | bench``.
+
+The command table (the shell of the analogy): one parser per command, each with
+the shared engine and sampling flags of args.py, and the small commands themselves
+(``generate``, ``fetch``). ``chat`` is chat.py; ``bench`` is tools/bench.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..model.errors import ModelFetchError, ModelFormatError
+from ..model.fetch import DEFAULT_MODEL, KNOWN_MODELS
+from .args import add_engine_flags, add_sampling_flags, engine_kwargs, sampling_params
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minipaged",
+                                     description="minipaged: PagedAttention inference, from scratch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    chat = sub.add_parser("chat", help="talk to the model (streams; /reset, /stats, /exit)",
+                          description="Interactive chat. Reads one message per line from a pipe too. "
+                                      "Ctrl-C stops the current answer, Ctrl-D or /exit quits.")
+    # each turn resubmits the whole conversation: the cache makes it prefill only the new part
+    add_engine_flags(chat, log_stats_interval=0.0, prefix_caching=True)
+    add_sampling_flags(chat, max_tokens=512, temperature=0.2, top_p=0.9)
+    chat.add_argument("--system", default=None, help="a system prompt (else the template's default)")
+    chat.add_argument("--show-blocks", action="store_true",
+                      help="print the KV pool (and what the prefix cache keeps) after every answer")
+
+    gen = sub.add_parser("generate", help="complete prompts in one batch",
+                         description="Complete each PROMPT (all in one batch) and print the results.")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    add_engine_flags(gen)
+    add_sampling_flags(gen, max_tokens=64, temperature=0.0, top_p=1.0)
+    gen.add_argument("--json", action="store_true", help="print the outputs as JSON")
+    gen.add_argument("--n", type=int, default=1,
+                     help="samples per prompt (parallel sampling; they share the prompt's KV blocks)")
+    gen.add_argument("--beam-width", type=int, default=None,
+                     help="beam search with this many beams instead of sampling")
+    gen.add_argument("--length-penalty", type=float, default=1.0, help="beam search length penalty")
+    gen.add_argument("--show-blocks", action="store_true",
+                     help="print the KV pool and the page tables after every engine step")
+
+
+    fetch = sub.add_parser("fetch", help="download and convert a known model",
+                           description="Fetch a known model into the cache (~/.cache/minipaged, or "
+                                       "$MINIPAGED_HOME) and convert it to safetensors. Idempotent.")
+    fetch.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=list(KNOWN_MODELS))
+    fetch.add_argument("--gguf", default=None, metavar="PATH",
+                       help="convert this local GGUF file instead of downloading (offline)")
+    fetch.add_argument("--force", action="store_true", help="rebuild even if already converted")
+
+    from ..tools.bench import add_bench_parser  # noqa: PLC0415
+
+    add_bench_parser(sub, add_engine_flags)
+    return parser
+
+
+# --------------------------------------------------------------------------- commands
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from ..model.fetch import fetch_model  # noqa: PLC0415
+
+    path = fetch_model(args.name, gguf_path=args.gguf, force=args.force)
+    print(path)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ..engine.beam_search import BeamSearchParams  # noqa: PLC0415
+    from ..engine.llm import LLM  # noqa: PLC0415
+
+    llm = LLM(**engine_kwargs(args))
+    if args.show_blocks:
+        if args.beam_width is not None:
+            raise ValueError("--show-blocks steps the engine by hand; use it without --beam-width")
+        return _generate_showing_blocks(llm.llm_engine, args)
+    if args.beam_width is not None:
+        beams = llm.beam_search(args.prompts, BeamSearchParams(
+            beam_width=args.beam_width, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+            length_penalty=args.length_penalty), use_tqdm=False)
+        rows = [{"prompt": p, "outputs": [{"text": s.text, "token_ids": s.tokens,
+                                             "cumulative_logprob": s.cum_logprob,
+                                             "finish_reason": s.finish_reason} for s in b.sequences]}
+                for p, b in zip(args.prompts, beams)]
+    else:
+        outputs = llm.generate(args.prompts, sampling_params(args, n=args.n), use_tqdm=False)
+        rows = [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids,
+                 "outputs": [{"text": o.prompt + c.text, "token_ids": c.token_ids,
+                              "cumulative_logprob": c.cumulative_logprob,
+                              "finish_reason": c.finish_reason} for c in o.outputs]}
+                for o in outputs]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for row in rows:
+            for i, c in enumerate(row["outputs"]):
+                label = f" #{i}" if len(row["outputs"]) > 1 else ""
+                print(c["text"])
+                print(f"---{label} [{c['finish_reason']}, logprob {c['cumulative_logprob']:.3f}]")
+    stats = llm.get_stats()
+    if stats["kv_blocks_unshared_peak"] > stats["kv_blocks_peak"]:
+        print(f"[minipaged] KV blocks at peak: {stats['kv_blocks_peak']} shared, "
+              f"{stats['kv_blocks_unshared_peak']} if every sequence had its own copy", file=sys.stderr)
+    return 0
+
+
+def _generate_showing_blocks(engine, args: argparse.Namespace) -> int:
+    """generate, one step at a time, printing the pool and the page tables after each."""
+    from ..sampling_params import OutputKind  # noqa: PLC0415
+    from ..tools.viz import engine_snapshot, render_text  # noqa: PLC0415
+
+    params = sampling_params(args, n=args.n, output_kind=OutputKind.FINAL_ONLY)
+    for i, prompt in enumerate(args.prompts):
+        engine.add_request(str(i), prompt, params)
+    step, finished = 0, {}
+    while engine.has_unfinished_requests():
+        plan_outputs = engine.step()
+        step += 1
+        print(f"=== step {step}: " + ", ".join(f"request {r}" for r in sorted(
+            g.request_id for g in engine.scheduler.running)) + " running")
+        print(render_text(engine_snapshot(engine)))
+        for out in plan_outputs:
+            finished[out.request_id] = out
+    for i in range(len(args.prompts)):
+        out = finished[str(i)]
+        for c in out.outputs:
+            print(f"{out.prompt}{c.text}")
+            print(f"--- [{c.finish_reason}, {len(c.token_ids)} tokens]")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .chat import ChatSession  # noqa: PLC0415
+
+    return ChatSession(args).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    commands = {"chat": cmd_chat, "generate": cmd_generate, "fetch": cmd_fetch}
+    try:
+        if args.command == "bench":
+            from ..tools.bench import cmd_bench  # noqa: PLC0415
+
+            return cmd_bench(args, engine_kwargs(args))
+        return commands[args.command](args)
+    except (ValueError, ModelFetchError, ModelFormatError, NotImplementedError) as err:
+        # User errors (bad flags' values, bad prompts, missing models): one clear line, no traceback.
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,13 @@
+"""tools: instruments that measure and draw the engine; the engine never imports them.
+
+    bench.py        ``python -m minipaged bench``: a workload, side by side where it compares settings
+    workloads.py    the benchmark's seeded synthetic traces
+    measure.py      runs a trace through an engine and times it (throughput, TTFT, TPOT, ITL)
+    report.py       the tables, the memory workload's figures and its plot
+    bench_peers.py  the Hugging Face transformers peer, in a child process
+    gpu_check.py    ``python -m minipaged.gpu_check``: every CUDA kernel checked and timed on a GPU,
+                    then the engine end to end (``--smoke``: the same on the CPU harness)
+    viz.py          pictures of the KV pool and the page tables from real engine state (text, SVG)
+
+They read the engine's state; like a profiler or ``top``, they sit above it.
+"""

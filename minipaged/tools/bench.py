@@ -1,0 +1,138 @@
+"""``python -m minipaged bench``: run a workload, side by side where it compares settings.
+
+The command: its flags (``add_bench_parser``), the flags a workload would silently
+ignore refused before any model loads (``check_bench_args``), and the runs: one
+engine per setting compared (prefix caching off/on, chunked prefill off/on, paged
+against contiguous), each warmed up and then measured on the same trace. The
+traces are in workloads.py, the timing in measure.py, the tables and the plot in
+report.py, the Hugging Face peer in bench_peers.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..engine.llm_engine import LLMEngine
+from ..engine.metrics import Metrics
+from .bench_peers import run_peer
+from .measure import run_workload
+from .report import memory_figures, plot_memory, print_result, print_table
+from .workloads import PEER_WORKLOADS, WORKLOAD_ENGINE, WORKLOADS, BenchRequest, make_prompts, make_requests
+
+
+def add_bench_parser(sub, add_engine_flags) -> None:
+    p = sub.add_parser("bench", help="run a benchmark workload",
+                       description="Seeded synthetic workloads: " + "; ".join(
+                           f"{name}: {desc}" for name, (desc, _) in WORKLOADS.items()))
+    p.add_argument("workload", choices=list(WORKLOADS), nargs="?", default="throughput")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests in the workload")
+    p.add_argument("--min-prompt-len", type=int, default=None, help="shortest prompt, in tokens")
+    p.add_argument("--max-prompt-len", type=int, default=None, help="longest prompt, in tokens")
+    p.add_argument("--output-len", type=int, default=None, help="tokens generated per request")
+    p.add_argument("--long-prompts", type=int, default=None, help="long-prompts: how many long prompts")
+    p.add_argument("--long-prompt-len", type=int, default=None, help="long-prompts: their length")
+    p.add_argument("--arrival-gap", type=int, default=None, help="long-prompts: steps between arrivals")
+    p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: system prompt length")
+    p.add_argument("--chunk-budget", type=int, default=None,
+                   help="long-prompts: token budget of the chunked-prefill run")
+    p.add_argument("--min-output-len", type=int, default=None, help="memory: shortest output")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="memory: draw KV usage and its breakdown over time for each allocator "
+                        "(needs matplotlib: pip install -e '.[plot]')")
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the prompt lengths and ids")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--peer", choices=["hf"], default=None,
+                   help="also run the same prompts through Hugging Face transformers generate "
+                        "(padded batch, float32) in a subprocess and print the ratio; needs the "
+                        "'peers' extra (torch, transformers)")
+    add_engine_flags(p)
+
+
+def check_bench_args(args: argparse.Namespace, defaults: dict) -> None:
+    """Refuse flags this workload would silently ignore, before any model is loaded."""
+    for name, (_, other) in WORKLOADS.items():
+        for key in other:
+            engine_flag = key in WORKLOAD_ENGINE.get(name, ())   # an engine flag, valid everywhere
+            if not engine_flag and key not in defaults and getattr(args, key, None) is not None:
+                users = [w for w, (_, d) in WORKLOADS.items() if key in d]
+                raise ValueError(f"--{key.replace('_', '-')} does not apply to the {args.workload} workload "
+                                 f"(it applies to: {', '.join(users)})")
+    if args.plot and args.workload != "memory":
+        raise ValueError("--plot draws the memory workload's KV pool; use it with `bench memory`")
+    if args.peer and args.workload not in PEER_WORKLOADS:
+        raise ValueError(f"--peer runs one padded greedy batch, which fits only the "
+                         f"{', '.join(PEER_WORKLOADS)} workloads, not {args.workload}")
+    if args.workload == "memory" and args.enable_prefix_caching:
+        raise ValueError("the memory workload compares paging with the contiguous baseline, which "
+                         "has no prefix caching; run it without --enable-prefix-caching")
+
+
+def runs_to_compare(workload: str, base: dict, cfg: dict) -> dict[str, dict]:
+    """The engine settings to run the trace under, by label ("" when there is one run)."""
+    if workload == "shared-prefix":  # the same trace with the page cache off, then on
+        return {f"caching {'on' if on else 'off'}": {**base, "enable_prefix_caching": on} for on in (False, True)}
+    if workload == "long-prompts":  # the same arrivals without and with chunked prefill
+        chunk = base["max_num_batched_tokens"] or cfg["chunk_budget"]
+        return {"chunked off": {**base, "enable_chunked_prefill": False, "max_num_batched_tokens": None},
+                "chunked on": {**base, "enable_chunked_prefill": True, "max_num_batched_tokens": chunk,
+                               "max_num_seqs": min(base["max_num_seqs"], chunk)}}
+    if workload == "memory":  # the same trace and budget, paging against reservation
+        return {"paged": {**base, "kv_allocator": "paged", "track_fragmentation": True},
+                "contiguous": {**base, "kv_allocator": "contiguous", "contiguous_reserve": "max_model_len",
+                               "track_fragmentation": True},
+                "contiguous_max_tokens": {**base, "kv_allocator": "contiguous", "contiguous_reserve": "max_tokens",
+                                          "track_fragmentation": True}}
+    return {"": base}
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """Compile the kernels and touch the weights, then start every counter afresh."""
+    vocab = engine.model_config.vocab_size
+    run_workload(engine, [BenchRequest(p, 2) for p in make_prompts(2, 40, 40, vocab, 1)], progress=False)
+    engine.metrics = Metrics()
+    engine.scheduler.reset_counters()
+    if engine.block_manager.cache is not None:
+        engine.block_manager.cache.queries = engine.block_manager.cache.hits = 0
+    engine.kv_history = []
+
+
+def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    """Run ``args.workload`` with the engine built from ``engine_kwargs`` (the shared engine
+    flags, as entrypoints/args.py turns them into keyword arguments)."""
+    _, defaults = WORKLOADS[args.workload]
+    check_bench_args(args, defaults)
+    cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
+    base = dict(engine_kwargs)
+    for key in WORKLOAD_ENGINE.get(args.workload, ()):
+        if base[key] is None:
+            base[key] = cfg[key]
+    histories = {}
+    results = {}
+    for label, kwargs in runs_to_compare(args.workload, base, cfg).items():
+        engine = LLMEngine(**kwargs)
+        requests = make_requests(args.workload, cfg, engine.model_config.vocab_size, args.workload_seed)
+        warm_up(engine)
+        results[label] = run_workload(engine, requests)
+        if args.workload == "memory":
+            results[label] = {**memory_figures(engine, results[label]), **results[label]}
+            histories[label] = engine.kv_history
+    if args.plot:
+        plot_memory(histories, args.plot)
+    report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs}
+    if len(results) > 1:
+        # one section per configuration: "paged" / "contiguous" (memory), "caching on" / "caching off"
+        report.update(results)
+        print_table(args.workload, cfg, results)
+    else:
+        result = report["result"] = results[""]
+        if args.peer:
+            peer = report["peer"] = run_peer(args.peer, str(engine.model_dir), [r.prompt for r in requests],
+                                             cfg["output_len"])
+            result = {**result, f"{args.peer}_generation_tok_s": peer["generation_tok_s"],
+                      f"speedup_vs_{args.peer}": result["generation_tok_s"] / peer["generation_tok_s"]}
+        print_result(args.workload, cfg, result)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0

@@ -1,0 +1,78 @@
+"""Measuring a trace: feed the requests to an engine at their arrival steps, step until
+all are done, and time it: throughput, TTFT, TPOT and inter-token latency percentiles,
+beside the engine's own counters (peak KV blocks, preemptions, prefix-cache hits).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..engine.beam_search import BeamSearchParams
+from ..sampling_params import OutputKind, SamplingParams
+from .workloads import BenchRequest
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def run_workload(engine, requests: list[BenchRequest], progress: bool = True) -> dict:
+    """Feed the requests (each at its arrival step), step until done; timings and token counts."""
+    pending = sorted(enumerate(requests), key=lambda r: r[1].arrival_step)
+    last_token_time: dict[str, float] = {}
+    gaps: list[float] = []            # inter-token latencies of measured requests (s per token)
+    outputs = []
+    step = 0
+    start = time.perf_counter()
+    with tqdm(total=len(requests), desc="requests", disable=not progress) as bar:
+        while pending or engine.has_unfinished_requests():
+            while pending and pending[0][1].arrival_step <= step:
+                i, req = pending.pop(0)
+                if req.beam_width:
+                    engine.add_beam_request(f"bench-{i}", req.prompt, BeamSearchParams(
+                        beam_width=req.beam_width, max_tokens=req.output_len, ignore_eos=True))
+                    continue
+                engine.add_request(f"bench-{i}", req.prompt, SamplingParams(
+                    n=req.n, temperature=1.0 if req.n > 1 else 0.0, seed=i, max_tokens=req.output_len,
+                    ignore_eos=True, detokenize=False, output_kind=OutputKind.DELTA))
+            for out in engine.step():
+                now = time.perf_counter()
+                rid = out.request_id
+                new = len(out.outputs[0].token_ids)
+                if rid in last_token_time and new and requests[int(rid.split("-")[1])].measured:
+                    gaps.extend([(now - last_token_time[rid]) / new] * new)
+                last_token_time[rid] = now
+                if out.finished:
+                    outputs.append(out)
+                    bar.update(1)
+            step += 1
+    elapsed = time.perf_counter() - start
+    measured = [o for o in outputs if requests[int(o.request_id.split("-")[1])].measured]
+    ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in measured]
+    lengths = {o.request_id: requests[int(o.request_id.split("-")[1])].output_len for o in measured}
+    tpot = [(o.metrics["finished_time"] - o.metrics["first_token_time"]) / (lengths[o.request_id] - 1)
+            for o in measured if lengths[o.request_id] > 1]
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    generated = sum(r.output_len * max(r.n, r.beam_width) for r in requests)  # beams: tokens per beam
+    stats = engine.get_stats()
+    return {
+        "requests": len(requests), "prompt_tokens": prompt_tokens, "generated_tokens": generated,
+        "elapsed_s": elapsed,
+        "generation_tok_s": generated / elapsed,
+        "total_tok_s": (prompt_tokens + generated) / elapsed,
+        "prompt_tok_s_first_token": prompt_tokens / max(ttft) if ttft else None,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+        "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
+        "decode_tok_s_single": 1.0 / percentile(tpot, 50) if len(requests) == 1 and tpot else None,
+        "kv_blocks_peak": stats["kv_blocks_peak"],
+        "kv_blocks_unshared_peak": stats["kv_blocks_unshared_peak"],
+        "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+        "num_preemptions": stats["num_preemptions"],
+        "num_preemptions_swap": stats["num_preemptions_swap"],
+        "num_preemptions_recompute": stats["num_preemptions_recompute"],
+        "blocks_swapped_out": stats["blocks_swapped_out"],
+    }

@@ -1,0 +1,68 @@
+"""The benchmark's report: runs side by side in a table, and the memory workload's
+figures and its picture of the KV pool over time (matplotlib, the ``plot`` extra).
+"""
+
+from __future__ import annotations
+
+from ..memory.fragmentation import summarize
+
+
+def print_table(workload: str, cfg: dict, results: dict[str, dict]) -> None:
+    """Several runs of one trace, side by side."""
+    labels = list(results)
+    keys = list(results[labels[0]])
+    width = max(len(k) for k in keys)
+    print(f"\n{workload}: {cfg}")
+    print(f"  {'':<{width}}  " + "  ".join(f"{label:>12}" for label in labels))
+    for key in keys:
+        cells = [results[label][key] for label in labels]
+        shown = [f"{c:12.4g}" if isinstance(c, float) else f"{str(c):>12}" for c in cells]
+        print(f"  {key:<{width}}  " + "  ".join(shown))
+
+
+def print_result(workload: str, cfg: dict, result: dict) -> None:
+    """One run's figures, one per line."""
+    width = max(len(k) for k in result)
+    print(f"\n{workload}: {cfg}")
+    for key, value in result.items():
+        shown = f"{value:.4g}" if isinstance(value, float) else value
+        print(f"  {key:<{width}}  {shown}")
+
+
+def memory_figures(engine, result: dict) -> dict:
+    """The memory workload's headline numbers, from the engine's per-step slot accounting."""
+    summary = summarize(engine.kv_history)
+    return {"utilization": summary["utilization"], "max_concurrent_requests": summary["max_concurrent_requests"],
+            "throughput_tok_s": result["generation_tok_s"],
+            "reserved_fraction": summary["reserved_fraction_of_allocated"],
+            "internal_fraction": summary["internal_fraction_of_allocated"],
+            "external_fraction_of_pool": summary["external_fraction_of_pool"]}
+
+
+def plot_memory(histories: dict, path: str) -> None:
+    """KV pool over time, one panel per allocator: used / reserved / internal / external / free."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install -e '.[plot]'") from None
+    fig, axes = plt.subplots(len(histories), 1, figsize=(9, 2.6 * len(histories)), sharey=True, squeeze=False)
+    colors = {"used": "#2a7", "reserved": "#9cf", "internal": "#f96", "external": "#c33", "free": "#eee"}
+    for ax, (label, history) in zip(axes[:, 0], histories.items()):
+        pool = [h.allocated + h.free for h in history]
+        layers = {"used": [h.used for h in history], "reserved": [h.reserved for h in history],
+                  "internal": [h.internal for h in history], "external": [h.external for h in history],
+                  "free": [h.free - h.external for h in history]}
+        ax.stackplot(range(len(history)), *[[v / p for v, p in zip(vals, pool)] for vals in layers.values()],
+                     labels=list(layers), colors=[colors[k] for k in layers])
+        summary = summarize(history)
+        ax.set_title(f"{label}: utilization {summary['utilization']:.0%}, "
+                     f"at most {summary['max_concurrent_requests']} requests at once", fontsize=10)
+        ax.set_xlim(0, max(len(history) - 1, 1))
+        ax.set_ylabel("share of KV pool")
+    axes[0, 0].legend(loc="upper right", fontsize=8, ncol=5)
+    axes[-1, 0].set_xlabel("engine step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,85 @@
+"""The benchmark's workloads: seeded synthetic traces, the same work on every run.
+
+Prompts are random token ids (seeded), outputs have a fixed length with EOS
+ignored, so every run does exactly the same work and runs compare across
+commits and machines. Each workload is a name, a description and its defaults;
+``make_requests`` turns one into a list of requests with arrival steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+WORKLOADS = {
+    # name: (description, defaults)
+    "throughput": ("N requests, prompt lengths uniform in [min, max], fixed output length",
+                   dict(num_prompts=64, min_prompt_len=32, max_prompt_len=256, output_len=128)),
+    "single-stream": ("one request decoding alone: time per output token",
+                      dict(num_prompts=1, min_prompt_len=16, max_prompt_len=16, output_len=128)),
+    "prefill": ("one long prompt, one output token: prompt processing speed",
+                dict(num_prompts=1, min_prompt_len=256, max_prompt_len=256, output_len=1)),
+    "long-prompts": ("N short requests decoding while LONG_PROMPTS long prompts arrive one by one "
+                     "(every ARRIVAL_GAP steps), with chunked prefill off and on (a CHUNK_BUDGET-token "
+                     "budget): the stall decodes suffer (TTFT, TPOT, inter-token latency)",
+                     dict(num_prompts=16, min_prompt_len=32, max_prompt_len=32, output_len=96,
+                          long_prompts=4, long_prompt_len=1024, arrival_gap=8, chunk_budget=256)),
+    "parallel-sampling": ("N prompts, each sampled n=4 times (temperature 1, seeded): the samples "
+                          "share the prompt's blocks", dict(num_prompts=16, min_prompt_len=128,
+                                                            max_prompt_len=256, output_len=64)),
+    "beam": ("N prompts, beam search of width 4: beams share their common prefix",
+             dict(num_prompts=8, min_prompt_len=128, max_prompt_len=256, output_len=32)),
+    "shared-prefix": ("N requests behind one shared system prompt of PREFIX_LEN tokens, run with "
+                      "prefix caching off and on", dict(num_prompts=32, min_prompt_len=16, max_prompt_len=64,
+                                                        output_len=32, prefix_len=512)),
+    "memory": ("one trace (prompts and outputs of uniform random lengths) under one fixed KV budget, "
+               "with the paged allocator and the contiguous baseline (reserving max_model_len, then "
+               "prompt + max_tokens): utilization, fragmentation, concurrency, throughput",
+               dict(num_prompts=64, min_prompt_len=32, max_prompt_len=256, output_len=256, min_output_len=32,
+                    num_blocks=512, max_model_len=1024)),
+}
+
+# Engine settings a workload fixes unless the command line sets them.
+WORKLOAD_ENGINE = {"memory": ("num_blocks", "max_model_len")}
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: list[int]      # token ids
+    output_len: int
+    arrival_step: int = 0  # engine steps after the start at which the request arrives
+    measured: bool = True  # counts in the latency figures (the long intruders do not)
+    n: int = 1             # parallel samples
+    beam_width: int = 0    # > 0: a beam search instead of sampling
+
+
+def make_requests(workload: str, cfg: dict, vocab: int, seed: int) -> list[BenchRequest]:
+    requests = [BenchRequest(p, cfg["output_len"]) for p in
+                make_prompts(cfg["num_prompts"], cfg["min_prompt_len"], cfg["max_prompt_len"], vocab, seed)]
+    if workload == "parallel-sampling":
+        requests = [dataclasses.replace(r, n=4) for r in requests]
+    if workload == "beam":
+        requests = [dataclasses.replace(r, beam_width=4) for r in requests]
+    if workload == "shared-prefix":
+        prefix = make_prompts(1, cfg["prefix_len"], cfg["prefix_len"], vocab, seed + 2)[0]
+        requests = [dataclasses.replace(r, prompt=prefix + r.prompt) for r in requests]
+    if workload == "memory":  # outputs of varied length: what a reservation cannot foresee
+        rng = np.random.default_rng(seed + 3)
+        lengths = rng.integers(cfg["min_output_len"], cfg["output_len"] + 1, size=len(requests))
+        requests = [dataclasses.replace(r, output_len=int(n)) for r, n in zip(requests, lengths)]
+    if workload == "long-prompts":
+        longs = make_prompts(cfg["long_prompts"], cfg["long_prompt_len"], cfg["long_prompt_len"], vocab, seed + 1)
+        requests += [BenchRequest(p, 8, arrival_step=(i + 1) * cfg["arrival_gap"], measured=False)
+                     for i, p in enumerate(longs)]
+    return requests
+
+
+PEER_WORKLOADS = ("throughput", "single-stream", "prefill")   # one padded batch, greedy, fits a peer
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(lo, hi + 1, size=n)
+    return [rng.integers(0, vocab, size=int(length)).tolist() for length in lengths]
