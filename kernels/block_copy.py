@@ -35,6 +35,25 @@ def _copy_blocks_kernel(src, dst, mapping):
         i += cuda.blockDim.x
 
 
+
+@cuda.jit
+def _fill_kernel(array, value):
+    """The GPU check's preflight probe: one line, to learn whether Numba can launch at all."""
+    i = cuda.grid(1)
+    if i < array.size:
+        array[i] = value
+
+
+def probe_mapped_launch(n: int = 64) -> bool:
+    """Launch a one-line kernel on a mapped (pinned, device-addressable) host array, as
+    swapping does, and check it wrote every element."""
+    mapped = cuda.mapped_array(n, dtype=np.float32)   # (n,) host memory the GPU reads and writes
+    mapped[:] = 0
+    _fill_kernel[1, n](mapped, 3.0)
+    cuda.synchronize()
+    return bool((np.asarray(mapped) == 3.0).all())
+
+
 def swap_blocks(src, dst, block_mapping) -> None:
     """Copy blocks ``block_mapping[:, 0]`` of ``src`` to ``block_mapping[:, 1]`` of ``dst``.
 

@@ -194,7 +194,8 @@ def gpu_ops() -> CudaOps:
     # The shared header is pasted in: CuPy's compile cache is keyed by the source text, so
     # an edited header must change it.
     common = (KERNEL_DIR / "common.cuh").read_text()
-    options = ("-std=c++17", *(f"-I{d}" for d in cuda_include_dirs()))
+    nvrtc_major = cupy.cuda.runtime.runtimeGetVersion() // 1000   # CuPy's NVRTC is this CUDA's
+    options = ("-std=c++17", *(f"-I{d}" for d in cuda_include_dirs(nvrtc_major)))
     kernels = {}
     for source in kernel_sources().values():
         module = cupy.RawModule(code=source.replace('#include "common.cuh"', common), options=options)
@@ -203,15 +204,29 @@ def gpu_ops() -> CudaOps:
     return CudaOps(cupy, kernels, block_copy)
 
 
-def cuda_include_dirs() -> list[str]:
-    """Where cuda_fp16.h and the vector types it includes may be (CuPy no longer bundles them)."""
+def cuda_include_dirs(major: int | None = None) -> list[str]:
+    """Where cuda_fp16.h and the vector types it includes may be (CuPy no longer bundles them).
+
+    A toolkit first ($CUDA_PATH, $CUDA_HOME, /usr/local/cuda), then the pip wheels'
+    headers: CUDA 12's runtime wheel (``nvidia/cuda_runtime/include``) and CUDA 13's
+    (``nvidia/cu13/include``). With ``major`` (NVRTC's major version), only wheel headers
+    of that version are taken: headers of another major version may not compile.
+    """
     import os  # noqa: PLC0415
 
-    dirs = [os.path.join(root, "include") for root in (os.environ.get("CUDA_PATH"), "/usr/local/cuda") if root]
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    dirs = [os.path.join(root, "include") for root in roots if root]
     try:
-        import nvidia.cuda_runtime  # noqa: PLC0415 (the pip wheel's headers)
+        import nvidia  # noqa: PLC0415 (the namespace package of NVIDIA's wheels)
 
-        dirs += [os.path.join(list(nvidia.cuda_runtime.__path__)[0], "include")]
+        for base in nvidia.__path__:
+            for version, folder in ((13, ("cu13", "include")), (12, ("cuda_runtime", "include"))):
+                if major is None or major == version:
+                    dirs.append(os.path.join(base, *folder))
     except ImportError:
         pass
-    return [d for d in dirs if os.path.exists(os.path.join(d, "cuda_fp16.h"))]
+    found = []
+    for d in dirs:
+        if os.path.exists(os.path.join(d, "cuda_fp16.h")) and d not in found:
+            found.append(d)
+    return found

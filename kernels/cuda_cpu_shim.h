@@ -8,6 +8,7 @@
 //   blockDim / gridDim            the launch's dimensions (one launch at a time)
 //   __syncthreads()               a barrier over the block's threads
 //   __shared__                    `static`: one copy, seen by all threads of the block
+//   __align__(n)                  GCC's aligned attribute (allowed where CUDA puts it)
 //   __shfl_xor_sync(mask, v, m)   an exchange through a per-warp buffer between two barriers
 //                                 (all 32 lanes of a warp must call it together: full masks)
 //   __half / __half2              _Float16 (IEEE binary16, round to nearest like __float2half)
@@ -46,6 +47,7 @@ inline float2 __half22float2(__half2 h) { return float2{(float)h.x, (float)h.y};
 #define __forceinline__ inline
 #define __restrict__ __restrict
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }

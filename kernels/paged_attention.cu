@@ -181,7 +181,9 @@ __device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, cons
         l[j] = 0.f;
     }
 
-    __shared__ float s_k[KV_SUBTILE][MAX_HEAD_DIM], s_v[KV_SUBTILE][MAX_HEAD_DIM];
+    // read below as float2 (8-byte loads): the tiles must be aligned to at least 8 bytes
+    __shared__ __align__(16) float s_k[KV_SUBTILE][MAX_HEAD_DIM];
+    __shared__ __align__(16) float s_v[KV_SUBTILE][MAX_HEAD_DIM];
     const int* table = block_tables + (long long)seq * max_blocks;
     for (int sub = 0; sub <= last_pos; sub += KV_SUBTILE) {
         // Stage positions sub .. sub + KV_SUBTILE - 1 (through the block table) for all warps.

@@ -83,6 +83,14 @@ class LlamaModel:
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)  # (max_positions, head_dim // 2)
         self.scale = 1.0 / float(np.sqrt(c.head_dim))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array the model holds on its device: weights and rotary tables."""
+        arrays = [self.embed, self.lm_head, self.final_norm, self.cos, self.sin]
+        for layer in self.layers:
+            arrays += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+        return sum(int(a.nbytes) for a in arrays)
+
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices):
         """Run T new tokens through the model; return logits only where they are needed.
 

@@ -1,10 +1,12 @@
 """The CUDA kernels without a GPU: NVRTC compiles every .cu file for sm_80 and sm_90, the CPU
 harness runs the same sources (through the very host code the GPU backend uses) against the
-NumPy specs, and the Numba CUDA block copies run under the CUDA simulator. tests/test_gpu.py repeats the checks
+NumPy specs, and the Numba CUDA block copies run under the CUDA simulator. NVRTC is loaded from both
+CUDA toolkits the dev extra installs (12.9 and 13; tests/nvrtc.py). tests/test_gpu.py repeats the checks
 on a real device and skips without one."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,32 +20,48 @@ from minipaged.kernels import cuda
 from minipaged.kernels import reference as spec
 from minipaged.kernels.layout import AttentionMetadata
 
+import nvrtc
+
 KERNELS = Path(cuda.__file__).parent
 
 
 # ---------------------------------------------------------------- NVRTC
 
 
-def nvrtc_compile(source: str, name: str, arch: str) -> tuple[bool, str]:
-    from cuda.bindings import nvrtc
-    import nvidia.cuda_runtime
-
-    include = Path(list(nvidia.cuda_runtime.__path__)[0]) / "include"   # cuda_fp16.h
-    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-I{KERNELS}".encode(),
-            f"-I{include}".encode()]
-    (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = b" " * size
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    return err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+TOOLKITS = nvrtc.toolkits()
 
 
+def test_both_cuda_toolkits_are_installed():
+    """CI compiles against CUDA 12.9 and CUDA 13 (the dev extra's wheels): GPU machines have either."""
+    assert sorted({t.version[0] for t in TOOLKITS}) == [12, 13], [str(t) for t in TOOLKITS]
+
+
+@pytest.mark.parametrize("toolkit", TOOLKITS, ids=str)
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name", cuda.SOURCES)
-def test_every_cu_file_compiles_with_nvrtc(name, arch):
-    ok, log = nvrtc_compile((KERNELS / name).read_text(), name, arch)
+def test_every_cu_file_compiles_with_nvrtc(name, arch, toolkit):
+    ok, log, _ = nvrtc.compile_to_ptx(toolkit, (KERNELS / name).read_text(), name,
+                                      [f"--gpu-architecture={arch}", "-std=c++17", f"-I{KERNELS}"])
     assert ok, log
+
+
+@pytest.mark.parametrize("toolkit", TOOLKITS, ids=str)
+def test_shared_tiles_read_as_float2_are_aligned_in_the_ptx(toolkit):
+    """A float2 load needs an 8-byte aligned address; a plain ``__shared__ float`` array is only
+    promised 4. Every shared array the sources read through a float2 pointer must be
+    declared with at least 8-byte alignment in the PTX NVRTC emits."""
+    for name in cuda.SOURCES:
+        source = (KERNELS / name).read_text()
+        read_as_float2 = set(re.findall(r"reinterpret_cast<const float2\*>\(&(\w+)", source))
+        if not read_as_float2:
+            continue
+        ok, log, ptx = nvrtc.compile_to_ptx(toolkit, source, name, ["--gpu-architecture=sm_90", "-std=c++17",
+                                                                     f"-I{KERNELS}"])
+        assert ok, log
+        for array in read_as_float2:
+            align = re.findall(rf"\.shared \.align (\d+) \.b8 \w*{array}\w*\[", ptx)
+            assert align, f"{array} not found among {name}'s shared arrays in the PTX"
+            assert all(int(a) >= 8 for a in align), f"{name}: {array} is {align}-byte aligned, read as float2"
 
 
 # ---------------------------------------------------------------- the CPU harness
@@ -212,15 +230,66 @@ def test_numba_cuda_block_copies_under_the_simulator():
     assert "simulated ok" in done.stdout
 
 
-def test_the_gpu_check_script_runs_on_the_cpu_harness(tmp_path):
-    """scripts/gpu_check.sh's Python half, in smoke mode: every step runs and reports."""
-    done = subprocess.run([sys.executable, "-m", "minipaged.gpu_check", "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_results.json").read_text())
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_gpu_check_sh(tmp_path, *args, env_extra=None, fake_smi=True):
+    """scripts/gpu_check.sh as a GPU machine runs it, with a fake nvidia-smi first on PATH."""
+    out = tmp_path / "out"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if fake_smi:
+        smi = bin_dir / "nvidia-smi"
+        smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI 580.00  (fake, for the test)'\n")
+        smi.chmod(0o755)
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable,
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **(env_extra or {})}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args], capture_output=True,
+                          text=True, timeout=900, env=env, cwd=tmp_path)
+    return done, out
+
+
+def test_the_gpu_check_script_runs_its_whole_flow_on_the_cpu_harness(tmp_path):
+    """scripts/gpu_check.sh --smoke: the preflight, the GPU tests (they skip) and every step of
+    the GPU check, on the CPU harness; every step runs and reports."""
+    done, out = run_gpu_check_sh(tmp_path, "--smoke")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not (out / "FAILED").exists()
+    assert "fake, for the test" in (out / "nvidia-smi.txt").read_text()
+    assert "preflight: ok" in (out / "preflight.txt").read_text()
+    assert (out / "pytest_gpu.txt").exists()
+    report = json.loads((out / "gpu_results.json").read_text())
     assert "errors" not in report, report.get("errors")
     assert all(row["max_abs_error"] < 5e-3 for row in report["attention"])
     assert any(row["partitions"] > 1 for row in report["attention"])            # split-K exercised
     assert all(row.get("bit_exact", True) for row in report["other_kernels"])
     assert report["end_to_end"]["minipaged"]["generated_tokens"] > 0
+    # the peer ran, or its failure was recorded without costing minipaged's own numbers
+    peer = report["end_to_end"]["hf_transformers"]
+    assert "generation_tok_s" in peer or "error" in peer
     assert report["greedy_vs_cpu_float32"]["tokens_agreeing_before_first_divergence"] > 0
+
+
+def test_the_gpu_check_script_stops_at_a_failing_preflight(tmp_path):
+    """No device visible: the preflight fails, the script says so in $OUT/FAILED and runs nothing else."""
+    done, out = run_gpu_check_sh(tmp_path, env_extra={"CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1
+    failed = (out / "FAILED").read_text()
+    assert "preflight" in failed and "preflight.txt" in failed
+    preflight = (out / "preflight.txt").read_text()
+    assert "PREFLIGHT FAILED: the CUDA C kernels" in preflight and "PREFLIGHT FAILED: Numba CUDA" in preflight
+    assert not (out / "pytest_gpu.txt").exists() and not (out / "gpu_results.json").exists()
+
+
+def test_the_gpu_check_script_stops_without_a_driver(tmp_path):
+    done, out = run_gpu_check_sh(tmp_path, env_extra={"PATH": "/usr/bin:/bin"}, fake_smi=False)
+    if (Path("/usr/bin/nvidia-smi")).exists():
+        pytest.skip("this machine has a real nvidia-smi")
+    assert done.returncode == 1
+    assert "no nvidia-smi" in (out / "FAILED").read_text()
+    assert not (out / "preflight.txt").exists()
+
+
+def test_the_gpu_check_module_keeps_its_documented_name():
+    done = subprocess.run([sys.executable, "-m", "minipaged.gpu_check", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--smoke" in done.stdout and "--preflight" in done.stdout

@@ -73,18 +73,38 @@ def test_gpu_swap_round_trip_is_bit_exact():
     assert back[:, :, 1].tobytes() == original[:, :, 7].tobytes()
 
 
+NEAR_TIE = 1e-3   # the golden tests' rule (tests/test_golden.py)
+
+
+def assert_same_greedy_tokens(got, want, label) -> None:
+    """GPU greedy tokens equal the CPU's, except at a near-tie: cuBLAS sums in another order
+    and ``__expf`` rounds differently, which may flip two logits closer than NEAR_TIE. There
+    the GPU must have picked the CPU's second choice; after it the continuations differ."""
+    for g, w in zip(got, want):
+        g, w = g.outputs[0], w.outputs[0]
+        for step, (x, y) in enumerate(zip(g.token_ids, w.token_ids)):
+            if x == y:
+                continue
+            top2 = sorted(w.logprobs[step].items(), key=lambda kv: -kv[1])[:2]   # the CPU's view
+            margin = top2[0][1] - top2[1][1]
+            assert x == top2[1][0] and margin < NEAR_TIE, (
+                f"{label}: step {step}: GPU {x}, CPU {y}, CPU top-2 {top2} (margin {margin:.2e})")
+            break
+        else:
+            assert len(g.token_ids) == len(w.token_ids), label
+
+
 def test_gpu_engine_matches_the_cpu_engine(tmp_path):
     """The same engine on the GPU (float32) gives the CPU's greedy tokens, chunked prefill and
-    preemption included."""
+    preemption included (up to near-ties)."""
     from minipaged import LLM, SamplingParams
     from minipaged.model.random_llama import write_tiny_llama
 
     model = write_tiny_llama(tmp_path / "tiny", head_dim=64)
     prompts = [{"prompt_token_ids": list(range(3 + 7 * i, 40 + 7 * i))} for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     cpu = LLM(str(model), device="cpu", swap_space=0.01).generate(prompts, params, use_tqdm=False)
     for kwargs in (dict(num_blocks=256), dict(num_blocks=20, block_size=4, preemption_mode="swap"),
                    dict(num_blocks=256, enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4)):
         gpu = LLM(str(model), device="cuda", dtype="float32", swap_space=0.01, **kwargs)
-        out = gpu.generate(prompts, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in cpu], kwargs
+        assert_same_greedy_tokens(gpu.generate(prompts, params, use_tqdm=False), cpu, kwargs)

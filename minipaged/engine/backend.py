@@ -6,8 +6,10 @@ device; it only receives the kernel namespace chosen here.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,3 +57,18 @@ def select_backend(device: str, dtype: str) -> Backend:
                     "each matmul and slow the Numba kernels down (up to 2x); import minipaged "
                     "first, or set OPENBLAS_THREAD_TIMEOUT=16")
     return Backend("cpu", cpu, np.dtype(np.float32))
+
+
+def release_device_memory() -> None:
+    """Give the device memory of dropped engines back to the device.
+
+    CuPy keeps freed device memory in its pool for reuse, so an engine that is gone still
+    holds its KV pool until the pool lets go. Call this after dropping an engine and before
+    building the next, or the next one's profiling pass finds the device full. A no-op
+    without CuPy.
+    """
+    gc.collect()                      # engines hold reference cycles: collect them now
+    if "cupy" in sys.modules:
+        cupy = sys.modules["cupy"]
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()

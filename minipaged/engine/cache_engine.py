@@ -82,18 +82,35 @@ def _pinned(shape, dtype):
     return array
 
 
+def kv_cache_blocks(*, total: int, free: int, utilization: float, activations: int,
+                    bytes_per_block: int) -> int:
+    """How many KV blocks a new engine may have, from what the device really has free.
+
+    total, free:  the device's memory and what is free now (``cudaMemGetInfo``), after
+                  this engine loaded its weights and CuPy's pool returned its cached blocks
+    activations:  the peak of this engine's profiling pass (needed again at every step)
+
+    vLLM's rule: an engine may use ``utilization`` of the device's memory. Everything in
+    use now counts against that share: this engine's weights and CUDA context, and any
+    other engine or process on the device. So a second engine in one process gets only
+    what the first left, never a negative budget from counting a cache as in use.
+    """
+    in_use = total - free
+    return max(int((utilization * total - in_use - activations) // bytes_per_block), 0)
+
+
 def profile_gpu_num_blocks(model, model_config, cache_config: CacheConfig, max_num_batched_tokens: int,
                            max_model_len: int, dtype) -> int:
     """Size the GPU KV pool as vLLM does: run one forward pass at the largest batch the
-    budgets allow, measure the peak memory (weights + activations), and give the KV cache
-    what remains of ``gpu_memory_utilization`` of the device's memory."""
+    budgets allow, measure its peak memory, and give the KV cache what remains of
+    ``gpu_memory_utilization`` of the device's memory (``kv_cache_blocks``)."""
     import cupy  # noqa: PLC0415
 
     from ..kernels.layout import AttentionMetadata  # noqa: PLC0415
 
     c = model_config
     pool = cupy.get_default_memory_pool()
-    pool.free_all_blocks()          # count only what the weights and this pass hold
+    pool.free_all_blocks()          # cached blocks of dropped arrays are not ours to count
     bytes_per_block = kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, cache_config.block_size,
                                          c.head_dim, np.dtype(dtype).itemsize)
     lengths = []                                           # sequences filling the token budget
@@ -116,17 +133,21 @@ def profile_gpu_num_blocks(model, model_config, cache_config: CacheConfig, max_n
     meta = AttentionMetadata(cupy.asarray(slots), cupy.asarray(qsl), cupy.asarray(np.array(lengths, np.int32)),
                              cupy.asarray(tables), max(lengths), max(lengths))
     positions = np.concatenate([np.arange(n) for n in lengths])
-    model.forward(cupy.zeros(len(positions), np.int64), cupy.asarray(positions), scratch, meta,
-                  cupy.asarray(qsl[1:] - 1))
+    ids, pos, last = cupy.zeros(len(positions), np.int64), cupy.asarray(positions), cupy.asarray(qsl[1:] - 1)
+    alive = pool.used_bytes()       # everything in use before the pass (ours, and any other engine's)
+    model.forward(ids, pos, scratch, meta, last)
     cupy.cuda.Device().synchronize()
-    peak = pool.total_bytes() - scratch.nbytes            # weights + the activations' high-water mark
-    del scratch
+    activations = pool.total_bytes() - alive   # the pool keeps what the pass freed: its high-water mark
+    del scratch, meta, ids, pos, last
     pool.free_all_blocks()
-    _, total = cupy.cuda.runtime.memGetInfo()
-    budget = cache_config.gpu_memory_utilization * total - peak
-    num_blocks = int(budget // bytes_per_block)
+    free, total = cupy.cuda.runtime.memGetInfo()
+    utilization = cache_config.gpu_memory_utilization
+    num_blocks = kv_cache_blocks(total=total, free=free, utilization=utilization, activations=activations,
+                                 bytes_per_block=bytes_per_block)
     if num_blocks < 1:
-        raise ValueError(f"no GPU memory left for the KV cache: weights and activations take "
-                         f"{peak / GIB:.1f} GiB of {total / GIB:.1f} GiB at gpu_memory_utilization="
-                         f"{cache_config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens")
+        raise ValueError(f"no GPU memory left for the KV cache: {(total - free) / GIB:.1f} GiB of the device's "
+                         f"{total / GIB:.1f} GiB is in use (this model's weights: {model.nbytes / GIB:.1f} GiB) "
+                         f"and a step's activations need {activations / GIB:.1f} GiB, beyond "
+                         f"gpu_memory_utilization={utilization}; raise it, lower max_num_batched_tokens, or "
+                         "drop other engines first (minipaged.engine.backend.release_device_memory)")
     return num_blocks

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..engine.backend import release_device_memory
 from ..engine.llm_engine import LLMEngine
 from ..engine.metrics import Metrics
 from .bench_peers import run_peer
@@ -109,7 +110,12 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
             base[key] = cfg[key]
     histories = {}
     results = {}
+    engine = None
     for label, kwargs in runs_to_compare(args.workload, base, cfg).items():
+        # Drop the previous run's engine first: on a GPU its KV pool (most of the device)
+        # would otherwise leave the next engine's profiling pass nothing to give.
+        engine = None
+        release_device_memory()
         engine = LLMEngine(**kwargs)
         requests = make_requests(args.workload, cfg, engine.model_config.vocab_size, args.workload_seed)
         warm_up(engine)

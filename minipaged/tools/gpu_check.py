@@ -1,6 +1,9 @@
 """``python -m minipaged.gpu_check``: check and time every CUDA kernel, then the whole engine.
 
-Run on a GPU machine by ``scripts/gpu_check.sh`` (one call, under ten minutes, no network):
+Run on a GPU machine by ``scripts/gpu_check.sh`` (one call, under ten minutes, no network).
+``--preflight`` first, in seconds: the three CUDA C modules compiled by the engine's own
+loader, and a one-line Numba CUDA kernel launched on a mapped (pinned) host array, as
+swapping uses. Then:
   1. the device and its measured device-to-device copy bandwidth;
   2. every kernel against its NumPy spec on large random inputs;
   3. each kernel's time (CUDA events, median of many runs) and the bandwidth it reaches,
@@ -203,12 +206,13 @@ def write_random_model(path: Path, shapes: dict) -> Path:
 
 
 def end_to_end(dev: Device, smoke: bool, out: dict) -> None:
-    from .bench_peers import run_peer
-    from .measure import run_workload
-    from .workloads import make_requests
+    from ..engine.backend import release_device_memory
     from ..engine.llm_engine import LLMEngine
     from ..engine.metrics import Metrics
     from ..sampling_params import SamplingParams
+    from .bench_peers import run_peer
+    from .measure import run_workload
+    from .workloads import make_requests
 
     shapes = dict(SMOLLM2_SHAPES) if not smoke else dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                                           num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -219,31 +223,34 @@ def end_to_end(dev: Device, smoke: bool, out: dict) -> None:
                output_len=128 if not smoke else 4)
     requests = make_requests("throughput", cfg, shapes["vocab_size"], seed=0)
     out["end_to_end"] = {"model": "random weights, SmolLM2-135M shapes", "workload": cfg}
-    if not smoke:  # the peer first, while the GPU's memory is all free
+    try:  # the peer first, while the GPU's memory is all free (smoke: on the CPU, if torch is there)
         out["end_to_end"]["hf_transformers"] = run_peer(
-            "hf", str(model_dir), [r.prompt for r in requests], cfg["output_len"], device="cuda", dtype="float16")
+            "hf", str(model_dir), [r.prompt for r in requests], cfg["output_len"], device=device,
+            dtype="float32" if smoke else "float16")
+    except Exception as err:  # noqa: BLE001 (a broken peer must not cost minipaged's own numbers)
+        out["end_to_end"]["hf_transformers"] = {"error": f"{type(err).__name__}: {str(err)[-1500:]}"}
+    # No swap space: this run never preempts, and its headline number must not depend on
+    # Numba CUDA (the block copies), which has its own section above.
     engine = LLMEngine(str(model_dir), device=device, dtype="float32" if smoke else "float16",
-                       kv_cache_space=1.0 if smoke else None, swap_space=0.5, log_stats_interval=0)
+                       kv_cache_space=1.0 if smoke else None, swap_space=0, log_stats_interval=0)
     run_workload(engine, make_requests("throughput", {**cfg, "num_prompts": 2, "output_len": 2}, shapes["vocab_size"], 1),
                  progress=False)
     engine.metrics = Metrics()
     result = run_workload(engine, requests, progress=False)
     out["end_to_end"].update(minipaged=result, kv_blocks_total=engine.block_manager.num_blocks)
-    if not smoke:
-        out["end_to_end"]["speedup_vs_hf"] = result["generation_tok_s"] / out["end_to_end"]["hf_transformers"]["generation_tok_s"]
-        del engine
-        import gc
-
-        gc.collect()
-        dev.xp.get_default_memory_pool().free_all_blocks()
+    peer = out["end_to_end"].get("hf_transformers", {})
+    if "generation_tok_s" in peer:
+        out["end_to_end"]["speedup_vs_hf"] = result["generation_tok_s"] / peer["generation_tok_s"]
+    del engine
+    release_device_memory()     # the next engine sizes its pool from what this one leaves
     # greedy tokens of this device's path against the CPU float32 path, same random model
     prompts = [{"prompt_token_ids": r.prompt[:48]} for r in requests[:4]]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2, detokenize=False)
     from ..engine.llm import LLM
 
-    gpu = LLM(str(model_dir), device=device, dtype="float32", num_blocks=1024, swap_space=0.5).generate(
+    gpu = LLM(str(model_dir), device=device, dtype="float32", num_blocks=1024, swap_space=0).generate(
         prompts, params, use_tqdm=False)
-    cpu = LLM(str(model_dir), device="cpu", kv_cache_space=0.5).generate(prompts, params, use_tqdm=False)
+    cpu = LLM(str(model_dir), device="cpu", kv_cache_space=0.5, swap_space=0).generate(prompts, params, use_tqdm=False)
     agree, near_ties = 0, 0
     for a, b in zip(gpu, cpu):
         for i, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)):
@@ -257,11 +264,58 @@ def end_to_end(dev: Device, smoke: bool, out: dict) -> None:
                                     "divergences_at_near_ties": near_ties}
 
 
+def preflight(smoke: bool) -> int:
+    """Fail in seconds, and say why, if the kernels cannot compile or Numba CUDA cannot launch."""
+    import os  # noqa: PLC0415
+
+    failures = []
+    try:
+        from ..kernels.cuda import cuda_include_dirs, kernel_sources  # noqa: PLC0415
+
+        if smoke:
+            from ..kernels.cuda import cpu_harness_ops  # noqa: PLC0415
+
+            ops = cpu_harness_ops()
+        else:
+            import cupy  # noqa: PLC0415
+
+            from ..kernels.cuda import gpu_ops  # noqa: PLC0415
+
+            props = cupy.cuda.runtime.getDeviceProperties(0)
+            print(f"GPU: {props['name'].decode()} (sm_{props['major']}{props['minor']}), CuPy {cupy.__version__}, "
+                  f"CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, include dirs {cuda_include_dirs()}")
+            ops = gpu_ops()      # the engine's own loader: every .cu file, the engine's flags
+        print(f"compiled {', '.join(kernel_sources())}: {len(ops._kernels)} kernels")
+    except Exception as err:  # noqa: BLE001 (reported, and the script stops)
+        failures.append(f"the CUDA C kernels: {type(err).__name__}: {err}")
+    try:
+        if smoke:
+            import numba  # noqa: PLC0415
+
+            numba.config.ENABLE_CUDASIM = 1      # read when numba.cuda is first imported
+        from ..kernels import block_copy  # noqa: PLC0415 (imports numba.cuda)
+
+        if not block_copy.probe_mapped_launch():
+            raise RuntimeError("the kernel ran but the mapped array does not hold its result")
+        print(f"Numba CUDA: a kernel wrote a mapped host array ({'simulator' if smoke else 'device'}); "
+              f"CUDA_HOME={os.environ.get('CUDA_HOME', '(unset)')}")
+    except Exception as err:  # noqa: BLE001
+        failures.append(f"Numba CUDA: {type(err).__name__}: {err} (on a toolkit install, is CUDA_HOME set?)")
+    for failure in failures:
+        print(f"PREFLIGHT FAILED: {failure}")
+    print("preflight: ok" if not failures else "preflight: failed")
+    return 1 if failures else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".", help="folder for gpu_results.json")
     p.add_argument("--smoke", action="store_true", help="run on the CPU harness with tiny shapes")
+    p.add_argument("--preflight", action="store_true",
+                   help="only check that the kernels compile and Numba CUDA launches (seconds)")
     args = p.parse_args(argv)
+    if args.preflight:
+        return preflight(args.smoke)
     out_file = Path(args.out) / "gpu_results.json"
     out_file.parent.mkdir(parents=True, exist_ok=True)
     report: dict = {"date": time.strftime("%Y-%m-%d")}

@@ -1,0 +1,83 @@
+"""Sizing the GPU KV pool without a GPU: the arithmetic of ``kv_cache_blocks`` on fake memory
+figures, and the benchmark dropping each engine before it builds the next (on a GPU, a live
+engine's pool would leave the next one no memory)."""
+
+import gc
+import weakref
+
+from minipaged.engine.cache_engine import kv_cache_blocks
+from minipaged.engine.llm_engine import LLMEngine
+from minipaged.entrypoints.args import engine_kwargs
+from minipaged.entrypoints.cli import build_parser
+from minipaged.tools import bench
+
+GB = 10**9
+
+
+def test_the_kv_pool_gets_the_share_left_after_what_is_in_use():
+    # a 141 GB device; in use: 0.3 GB of weights + 0.5 GB of CUDA context; 2 GB of activations
+    blocks = kv_cache_blocks(total=141 * GB, free=int(140.2 * GB), utilization=0.9, activations=2 * GB,
+                             bytes_per_block=10**6)
+    assert blocks == int((0.9 * 141 - 0.8 - 2) * 1000)          # 124100 blocks of 1 MB
+
+
+def test_memory_held_by_another_engine_counts_and_never_goes_negative():
+    # another engine still holds 126 GB: what is left of the 90% share is 0.1 GB, too little
+    assert kv_cache_blocks(total=141 * GB, free=int(14.2 * GB), utilization=0.9, activations=2 * GB,
+                           bytes_per_block=10**6) == 0
+    # nothing free at all: still 0, not negative
+    assert kv_cache_blocks(total=141 * GB, free=0, utilization=0.9, activations=2 * GB, bytes_per_block=1) == 0
+
+
+class FakeDevice:
+    """A device whose memory in use is what the live engines hold (weights + KV pool)."""
+
+    def __init__(self, total: int, context: int) -> None:
+        self.total, self.context = total, context
+        self.engines: list[weakref.ref] = []
+
+    def free(self) -> int:
+        live = [e() for e in self.engines if e() is not None]
+        return self.total - self.context - sum(e.model.nbytes + e.cache.total_bytes for e in live)
+
+
+def test_bench_drops_each_engine_before_building_the_next(tiny_model_dir, monkeypatch):
+    """shared-prefix runs two engines; each is sized from the fake device's free memory as the
+    GPU profiling pass would be, and both must get the same pool."""
+    device = FakeDevice(total=40 * 2**20, context=2**20)
+    pools = []
+
+    def sized_engine(**kwargs):
+        gc.collect()   # only what is really still referenced counts as in use
+        probe = LLMEngine(**{**kwargs, "num_blocks": 1})
+        num_blocks = kv_cache_blocks(total=device.total, free=device.free() - probe.model.nbytes,
+                                     utilization=0.9, activations=2**20, bytes_per_block=probe.cache.bytes_per_block)
+        del probe
+        if num_blocks < 1:
+            raise ValueError("no GPU memory left for the KV cache")
+        engine = LLMEngine(**{**kwargs, "num_blocks": num_blocks})
+        device.engines.append(weakref.ref(engine))
+        pools.append(num_blocks)
+        return engine
+
+    monkeypatch.setattr(bench, "LLMEngine", sized_engine)
+    args = build_parser().parse_args([
+        "bench", "shared-prefix", "--model", str(tiny_model_dir), "--device", "cpu", "--swap-space", "0",
+        "--log-stats-interval", "0", "--num-prompts", "2", "--output-len", "2", "--min-prompt-len", "4",
+        "--max-prompt-len", "8", "--prefix-len", "16"])
+    assert bench.cmd_bench(args, engine_kwargs(args)) == 0
+    assert len(pools) == 2 and pools[0] == pools[1] > 0, pools
+
+
+def test_a_live_engine_leaves_the_next_one_nothing_on_the_fake_device(tiny_model_dir):
+    """The failure the benchmark avoids: the same sizing with the first engine still alive."""
+    device = FakeDevice(total=40 * 2**20, context=2**20)
+    first = LLMEngine(str(tiny_model_dir), device="cpu", swap_space=0, num_blocks=1)
+    budget = kv_cache_blocks(total=device.total, free=device.free() - first.model.nbytes, utilization=0.9,
+                             activations=2**20, bytes_per_block=first.cache.bytes_per_block)
+    first = LLMEngine(str(tiny_model_dir), device="cpu", swap_space=0, num_blocks=budget)
+    device.engines.append(weakref.ref(first))
+    second = LLMEngine(str(tiny_model_dir), device="cpu", swap_space=0, num_blocks=1)
+    left = kv_cache_blocks(total=device.total, free=device.free() - second.model.nbytes, utilization=0.9,
+                           activations=2**20, bytes_per_block=second.cache.bytes_per_block)
+    assert budget > 0 and left == 0
