@@ -6,6 +6,7 @@ with a sentence that names it, never later inside a kernel.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 
@@ -16,6 +17,11 @@ class ConfigError(ValueError):
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _is_int(value) -> bool:
+    """An integer, numpy's too, but not a bool (``seed=True`` is a mistake, not 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_power_of_two(n: int) -> bool:
@@ -100,10 +106,17 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
+    max_logprobs: int = 20   # most logprobs a request may ask for (vLLM's default); -1: no cap
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model must be a name or a path")
         _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _require(isinstance(self.seed, int) and self.seed >= 0,
+        _require(_is_int(self.seed) and self.seed >= 0,
                  f"seed must be a non-negative integer, got {self.seed!r}")
+        # A cap, not a cost: each request's top-k is one partition of its logits row,
+        # but returning the whole vocabulary every token is rarely what was meant.
+        _require(_is_int(self.max_logprobs) and self.max_logprobs >= -1,
+                 f"max_logprobs must be an integer >= 0, or -1 for no cap, got {self.max_logprobs!r}")
+        object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "max_logprobs", int(self.max_logprobs))

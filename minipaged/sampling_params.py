@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass
 
 
@@ -32,8 +33,63 @@ def derive_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0])
 
 
+def as_int(value) -> int | None:
+    """``value`` as a Python int if it is an integer (numpy's too), else None.
+
+    A bool is an int to Python, but ``n=True`` or ``top_k=True`` is a mistake, not 1;
+    and a numpy integer is converted so nothing downstream meets numpy's own
+    overflow or comparison rules.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def as_float(value) -> float | None:
+    """``value`` as a finite Python float if it is a real number (ints and numpy's scalars
+    too, bools not), else None. An int too large for a float is not finite either."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        result = float(value)
+    except (OverflowError, ValueError):
+        return None
+    return result if math.isfinite(result) else None
+
+
+def as_flag(value) -> bool | None:
+    """``value`` if it is a bool (numpy's too, as a Python bool), else None: a flag set to
+    "no" or 0 is a mistake that truthiness would quietly read as yes or no."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    return None
+
+
+def shown(value, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, so an error naming a huge value stays one line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def wrong_type(name: str, value, expected: str) -> str:
+    """The sentence for a field of the wrong type; says so when a bool stood in for a number."""
+    note = " (a bool is not a number here)" if as_flag(value) is not None and expected != "True or False" else ""
+    return f"{name} must be {expected}, got {shown(value)}{note}"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request wants its tokens chosen and when to stop.
+
+    Every field is type-checked when the object is built (so a mistake fails at the
+    caller's line, not inside the sampler), and numpy scalars are turned into Python
+    ones: integers stay integers (a bool is refused), numbers become floats, flags
+    must be bools. Limits that depend on the engine (the vocabulary for
+    ``stop_token_ids``, ``max_logprobs``, ``max_model_len``) are checked at add_request.
+    """
+
     n: int = 1                        # samples per prompt; they share the prompt's KV blocks
     temperature: float = 1.0          # 0 (or below 1e-5) means greedy
     top_p: float = 1.0                # keep the smallest set of tokens whose probability >= top_p
@@ -43,7 +99,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: int = 16
+    max_tokens: int = 16              # at add_request, capped to max_model_len - prompt length
     min_tokens: int = 0               # EOS and stops are ignored before this many tokens
     logprobs: int | None = None       # return this many top log-probabilities per token
     include_stop_str_in_output: bool = False
@@ -55,40 +111,66 @@ class SamplingParams:
         def bad(message: str) -> None:
             raise ValueError(f"invalid SamplingParams: {message}")
 
+        def store(name: str, value) -> None:
+            object.__setattr__(self, name, value)
+
         for name in ("temperature", "top_p", "min_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                bad(f"{name} must be a finite number, got {value!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be a positive integer, got {self.n!r}")
+            value = as_float(getattr(self, name))
+            if value is None:
+                bad(wrong_type(name, getattr(self, name), "a finite number"))
+            store(name, value)
+        for name in ("n", "top_k", "max_tokens", "min_tokens"):
+            value = as_int(getattr(self, name))
+            if value is None:
+                bad(wrong_type(name, getattr(self, name), "an integer"))
+            store(name, value)
+        for name in ("seed", "logprobs"):
+            if getattr(self, name) is not None:
+                value = as_int(getattr(self, name))
+                if value is None:
+                    bad(wrong_type(name, getattr(self, name), "an integer or None"))
+                store(name, value)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            value = as_flag(getattr(self, name))
+            if value is None:
+                bad(wrong_type(name, getattr(self, name), "True or False"))
+            store(name, value)
+        if self.n < 1:
+            bad(f"n must be a positive integer, got {shown(self.n)}")
         if not self.temperature >= 0.0:
-            bad(f"temperature must be >= 0, got {self.temperature!r}")
+            bad(f"temperature must be >= 0, got {shown(self.temperature)}")
         if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
+            bad(f"top_p must be in (0, 1], got {shown(self.top_p)}")
+        if self.top_k < -1:
+            bad(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {shown(self.top_k)}")
         if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
-            bad(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad(f"max_tokens must be at least 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            bad(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            bad(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+            bad(f"min_p must be in [0, 1], got {shown(self.min_p)}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            bad(f"seed must be an integer in [0, 2**64) or None, got {shown(self.seed)}")
+        if self.max_tokens < 1:
+            bad(f"max_tokens must be at least 1, got {shown(self.max_tokens)}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            bad(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {shown(self.min_tokens)}")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad(f"logprobs must be a non-negative integer or None, got {shown(self.logprobs)}")
+        # (not `self.stop or []`: the truth value of an array is an error of its own)
+        stops = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
         if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or s == "" for s in stops):
-            bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        object.__setattr__(self, "stop", list(stops))
-        ids = self.stop_token_ids or []
-        if not isinstance(ids, (list, tuple)) or any(not isinstance(t, int) or t < 0 for t in ids):
-            bad(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", list(ids))
+            bad(f"stop must be a non-empty string or a list of them, got {shown(self.stop)}")
+        store("stop", list(stops))
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            bad(f"stop_token_ids must be a list of non-negative integers, got {shown(self.stop_token_ids)}")
+        converted = [as_int(t) for t in ids]
+        for i, t in enumerate(converted):
+            if t is None or t < 0:
+                bad(f"stop_token_ids must be a list of non-negative integers, got {shown(ids[i])} "
+                    f"at index {i}")
+        store("stop_token_ids", converted)
         if self.stop and not self.detokenize:
             bad("stop strings need detokenize=True (they are matched in the text)")
         if not isinstance(self.output_kind, OutputKind):
-            bad(f"output_kind must be an OutputKind, got {self.output_kind!r}")
+            bad(f"output_kind must be an OutputKind, got {shown(self.output_kind)}")
 
     @property
     def greedy(self) -> bool:

@@ -43,6 +43,23 @@ def _as_list(ids) -> list[int]:
     return [ids] if isinstance(ids, int) else list(ids)
 
 
+BASE_ROLES = ("system", "user", "assistant")   # every chat template knows these
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` cannot be encoded as UTF-8 (a lone surrogate, as a bad decode leaves), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"{text[err.start]!r} at index {err.start} cannot be encoded as UTF-8 ({err.reason})"
+    return None
+
+
+def _shown(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _compile_template(source: str):
     """Compile a chat template the way transformers does, so templates render identically."""
     def raise_exception(message):
@@ -148,10 +165,44 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        problem = unicode_problem(text)
+        if problem is not None:   # the tokenizers library would raise a bare TypeError
+            raise ValueError(f"encode() takes valid Unicode text: {problem}")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def chat_roles(self) -> tuple[str, ...]:
+        """The roles a message may have: system, user, assistant, and tool if the template
+        mentions it (a template that does not would render a tool turn as something else)."""
+        roles = BASE_ROLES
+        if self.chat_template is not None and any(f"{q}tool{q}" in self.chat_template for q in "'\""):
+            roles += ("tool",)
+        return roles
+
+    def check_messages(self, messages) -> None:
+        """Refuse a conversation the template cannot render as meant, naming the message and
+        the field, before Jinja fails somewhere inside the template with a TypeError."""
+        shape = "messages must be a list of dicts, each with a string 'role' and 'content'"
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"{shape}; got {type(messages).__name__}")
+        roles = self.chat_roles()
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise ValueError(f"{shape}; messages[{i}] is a {type(message).__name__}")
+            for key in ("role", "content"):
+                if key not in message:
+                    raise ValueError(f"{shape}; messages[{i}] has no {key!r}")
+                if not isinstance(message[key], str):
+                    raise ValueError(f"{shape}; messages[{i}][{key!r}] is {_shown(message[key])} "
+                                     f"({type(message[key]).__name__})")
+                problem = unicode_problem(message[key])
+                if problem is not None:
+                    raise ValueError(f"messages[{i}][{key!r}] is not valid Unicode text: {problem}")
+            if message["role"] not in roles:
+                raise ValueError(f"messages[{i}]['role'] is {_shown(message['role'])}; the chat template "
+                                 f"knows the roles {', '.join(roles)}")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tokenize: bool = False, **template_vars) -> str | list[int]:
@@ -163,8 +214,7 @@ class Tokenizer:
         if self._template is None:
             raise ValueError("this model directory has no chat template (tokenizer_config.json 'chat_template' "
                              "or chat_template.jinja); use encode() on plain text instead")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise ValueError("messages must be a list of dicts, each with a 'role' (and usually a 'content')")
+        self.check_messages(messages)
         try:
             prompt = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                            bos_token=self.bos_token or "", eos_token=self.eos_token or "",

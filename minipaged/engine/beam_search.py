@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..sampling_params import as_flag, as_float, as_int, shown, wrong_type
 from ..sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -28,13 +29,28 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"invalid BeamSearchParams: beam_width must be a positive integer, got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"invalid BeamSearchParams: max_tokens must be at least 1, got {self.max_tokens!r}")
-        if not isinstance(self.length_penalty, (int, float)) or not np.isfinite(self.length_penalty):
-            raise ValueError(f"invalid BeamSearchParams: length_penalty must be a finite number, "
-                             f"got {self.length_penalty!r}")
+        # The same type rules as SamplingParams: bools are not numbers, numpy scalars
+        # become Python ones, the flag must be a bool.
+        def bad(message: str) -> None:
+            raise ValueError(f"invalid BeamSearchParams: {message}")
+
+        for name in ("beam_width", "max_tokens"):
+            value = as_int(getattr(self, name))
+            if value is None:
+                bad(wrong_type(name, getattr(self, name), "an integer"))
+            object.__setattr__(self, name, value)
+        if self.beam_width < 1:
+            bad(f"beam_width must be a positive integer, got {shown(self.beam_width)}")
+        if self.max_tokens < 1:
+            bad(f"max_tokens must be at least 1, got {shown(self.max_tokens)}")
+        ignore_eos = as_flag(self.ignore_eos)
+        if ignore_eos is None:
+            bad(wrong_type("ignore_eos", self.ignore_eos, "True or False"))
+        object.__setattr__(self, "ignore_eos", ignore_eos)
+        length_penalty = as_float(self.length_penalty)
+        if length_penalty is None:
+            bad(wrong_type("length_penalty", self.length_penalty, "a finite number"))
+        object.__setattr__(self, "length_penalty", length_penalty)
 
 
 @dataclass

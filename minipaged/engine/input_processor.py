@@ -10,14 +10,13 @@ changes nothing, so a refused request never disturbs the ones already running.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
-
 from ..memory.block_manager import BlockManager, blocks_for
-from ..model.tokenizer import Tokenizer
-from ..sampling_params import OutputKind, SamplingParams
+from ..model.tokenizer import Tokenizer, unicode_problem
+from ..sampling_params import OutputKind, SamplingParams, as_int, shown
 from ..sequence import Sequence, SequenceGroup
 from .beam_search import BeamSearchParams, BeamState
 from .detokenizer import start_offsets
@@ -25,6 +24,20 @@ from .detokenizer import start_offsets
 
 class RequestError(ValueError):
     """A request was refused before it was queued; no other request is affected."""
+
+
+def check_sampling_params(params) -> SamplingParams:
+    """``params`` if it is a SamplingParams, the default for None; else a RequestError that
+    says what it was (a dict of fields, beam-search parameters) before anything uses it."""
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, BeamSearchParams):
+        raise RequestError("sampling params must be a SamplingParams, got BeamSearchParams; for beam "
+                           "search call LLM.beam_search() (or LLMEngine.add_beam_request())")
+    if not isinstance(params, SamplingParams):
+        hint = " (build one: SamplingParams(**fields))" if isinstance(params, dict) else ""
+        raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}{hint}")
+    return params
 
 
 @dataclass(frozen=True)
@@ -37,15 +50,21 @@ class PromptInput:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
-                 block_manager: BlockManager, kv_allocator: str) -> None:
+                 block_manager: BlockManager, kv_allocator: str, max_logprobs: int = 20,
+                 max_num_seqs: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs     # the scheduler runs at most this many sequences at once
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.kv_allocator = kv_allocator   # "paged" or "contiguous" (reserves at admission)
+        self.max_logprobs = max_logprobs   # most logprobs a request may ask for; -1: no cap
 
     def tokenize(self, prompt) -> PromptInput:
-        """Accept a str, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
+        """Accept a str, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
+
+        Token ids may be numpy integers (they become Python ints); a bool is not a token id.
+        """
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
@@ -53,30 +72,52 @@ class InputProcessor:
                     raise RequestError(f"prompt_token_ids must be a list of ints, got {type(prompt).__name__}")
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise RequestError(f"'prompt' must be a string, got {type(prompt).__name__}")
             else:
-                raise RequestError("a prompt dict needs a 'prompt' or a 'prompt_token_ids' key")
+                raise RequestError("a prompt dict needs a 'prompt' or a 'prompt_token_ids' key, got keys "
+                                   f"{shown(sorted(map(str, prompt)))}")
         if isinstance(prompt, str):
+            problem = unicode_problem(prompt)
+            if problem is not None:
+                raise RequestError(f"the prompt is not valid Unicode text: {problem}")
             return PromptInput(self.tokenizer.encode(prompt, add_special_tokens=True), prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-            return PromptInput([int(t) for t in prompt], None)
+        if isinstance(prompt, (list, tuple)):
+            ids = [as_int(t) for t in prompt]
+            for i, t in enumerate(ids):
+                if t is None:
+                    raise RequestError(f"a token-id prompt must hold only ints, got {shown(prompt[i])} "
+                                       f"({type(prompt[i]).__name__}) at index {i}")
+            return PromptInput(ids, None)
         raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def make_group(self, request_id: str, prompt, params: SamplingParams | None,
                    seq_ids: Iterator[int]) -> SequenceGroup:
         """Validate and build a request (one sequence per sample) without queueing it."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = check_sampling_params(params)
         p = self.tokenize(prompt)
         ids = p.token_ids
         if not ids:
             raise RequestError("the prompt is empty (it has no tokens)")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (ids 0..{self.vocab_size - 1})")
+            raise RequestError(f"token id {shown(bad[0])} is outside the vocabulary "
+                               f"(ids 0..{self.vocab_size - 1})")
         if len(ids) > self.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len="
                                f"{self.max_model_len}")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:   # the sampler bans stop ids by indexing the logits (min_tokens)
+            raise RequestError(f"stop_token_ids: token id {shown(bad[0])} is outside the vocabulary "
+                               f"(ids 0..{self.vocab_size - 1})")
+        if params.logprobs is not None and 0 <= self.max_logprobs < params.logprobs:
+            raise RequestError(f"logprobs={params.logprobs} is more than max_logprobs={self.max_logprobs} "
+                               "(an engine option; raise it to get more)")
+        if self.max_num_seqs is not None and params.n > self.max_num_seqs:
+            # its n sequences must run together, and the scheduler never runs that many
+            raise RequestError(f"n={params.n} sequences can never run at once: max_num_seqs="
+                               f"{self.max_num_seqs} (raise max_num_seqs or lower n / beam_width)")
+        params = self._clamp_max_tokens(len(ids), params)
         self._check_fits(ids, params)
         seqs = [Sequence(next(seq_ids), list(ids)) for _ in range(params.n)]
         for seq in seqs:
@@ -87,7 +128,7 @@ class InputProcessor:
                         seq_ids: Iterator[int]) -> SequenceGroup:
         """A beam search starts as one sequence; beams fork from it after the prompt."""
         if not isinstance(params, BeamSearchParams):
-            raise RequestError(f"beam search needs BeamSearchParams, got {type(params).__name__}")
+            raise RequestError(f"beam search needs a BeamSearchParams, got {type(params).__name__}")
         # The scheduler sees a greedy request of the same length; beams are chosen by the engine.
         inner = SamplingParams(n=params.beam_width, temperature=0.0, max_tokens=params.max_tokens,
                                ignore_eos=True, detokenize=False, output_kind=OutputKind.FINAL_ONLY)
@@ -95,6 +136,20 @@ class InputProcessor:
         group.seqs = group.seqs[:1]
         group.beam = BeamState(params, self.tokenizer.eos_token_id)
         return group
+
+    def _clamp_max_tokens(self, prompt_len: int, params: SamplingParams) -> SamplingParams:
+        """max_tokens capped to what max_model_len leaves after the prompt, as vLLM does.
+
+        The sequence would stop there anyway (finish_reason "length"); capping it here
+        makes the group's own numbers (its footprint, the contiguous reservation) say so.
+        A prompt of exactly max_model_len tokens still gets its one token: the token
+        sampled last is never cached. The caller's object is left alone (a copy is
+        changed), and min_tokens is capped with it (a longer min could never be reached).
+        """
+        room = max(1, self.max_model_len - prompt_len)
+        if params.max_tokens <= room:
+            return params
+        return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         """Refuse a request that could never run alone in the pool (it would wait forever)."""
@@ -111,8 +166,10 @@ class InputProcessor:
         usable = manager.num_blocks - manager.watermark_blocks
         if needed > usable:
             samples = f"{params.n} samples x " if params.n > 1 else ""
+            capped = (f" (all that max_model_len={self.max_model_len} leaves)"
+                      if len(ids) + params.max_tokens >= self.max_model_len else "")
             raise RequestError(
                 f"the request may need {needed} KV blocks ({samples}{longest} cached tokens: prompt "
-                f"{len(ids)} + max_tokens {params.max_tokens} - 1, as the last token is never "
+                f"{len(ids)} + max_tokens {params.max_tokens}{capped} - 1, as the last token is never "
                 f"cached) but the pool has only {usable} usable blocks; give the cache more "
                 "blocks or lower max_tokens")

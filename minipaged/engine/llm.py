@@ -11,7 +11,8 @@ from .llm_engine import LLMEngine
 from ..model.fetch import DEFAULT_MODEL
 from ..outputs import RequestOutput
 from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from ..sampling_params import OutputKind, SamplingParams
+from .input_processor import RequestError, check_sampling_params
+from ..sampling_params import OutputKind, SamplingParams, as_int
 
 
 class LLM:
@@ -42,9 +43,14 @@ class LLM:
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-            params = list(sampling_params)
+            params = []
+            for i, sp in enumerate(sampling_params):   # None in the list is the default, as alone
+                try:
+                    params.append(check_sampling_params(sp))
+                except RequestError as err:
+                    raise RequestError(f"sampling_params[{i}]: {err}") from None
         else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [check_sampling_params(sampling_params)] * len(prompts)
         return self._run(prompts, params, use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True) -> list[BeamSearchOutput]:
@@ -66,12 +72,25 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations.
+
+        Every conversation is checked (and rendered) before any is queued; a bad message
+        raises ValueError naming its conversation, its index and the field.
+        """
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a "
+                             f"list of conversations, got {type(messages).__name__}")
+        single = bool(messages) and not isinstance(messages[0], (list, tuple))
+        conversations = [messages] if single else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        for i, conversation in enumerate(conversations):
+            try:
+                text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            except ValueError as err:
+                if single:
+                    raise
+                raise ValueError(f"conversation {i}: {err}") from None
             # the template already wrote the special tokens as text; add none
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         outputs = self.generate(prompts, sampling_params, use_tqdm)
@@ -81,8 +100,13 @@ class LLM:
 
     @staticmethod
     def _as_prompt_list(prompts) -> list:
+        """One prompt (a str, a dict, a list of token ids) becomes a list of one.
+
+        A list whose first item is an integer, numpy's included, is one token-id prompt;
+        any other list is a batch (each item then checked as a prompt of its own).
+        """
         if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+                isinstance(prompts, (list, tuple)) and prompts and as_int(prompts[0]) is not None):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}")

@@ -54,8 +54,9 @@ class LLMEngine:
                  enable_prefix_caching: bool = False, gpu_memory_utilization: float = 0.9,
                  kv_allocator: str = "paged", contiguous_reserve: str = "max_model_len",
                  track_fragmentation: bool = False,
-                 seed: int = 0, log_stats_interval: float = 0.0) -> None:
-        self.config = EngineConfig(model=str(model), device=device, dtype=dtype, seed=seed)
+                 seed: int = 0, log_stats_interval: float = 0.0, max_logprobs: int = 20) -> None:
+        self.config = EngineConfig(model=str(model), device=device, dtype=dtype, seed=seed,
+                                   max_logprobs=max_logprobs)
         cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                    kv_cache_space=kv_cache_space, swap_space=swap_space,
                                    gpu_memory_utilization=gpu_memory_utilization)
@@ -115,7 +116,9 @@ class LLMEngine:
         eos = set(self.tokenizer.stop_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
-                                              self.max_model_len, self.block_manager, kv_allocator)
+                                              self.max_model_len, self.block_manager, kv_allocator,
+                                              max_logprobs=self.config.max_logprobs,
+                                              max_num_seqs=self.scheduler_config.max_num_seqs)
         self.metrics = Metrics()
         self.log_stats_interval = log_stats_interval   # seconds between log lines; 0 = never
         self._last_log_time = time.monotonic()

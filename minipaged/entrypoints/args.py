@@ -65,6 +65,8 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="GPU: share of the device's memory for weights, activations and the KV cache")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="most log-probabilities a request may ask for per token (-1: no cap)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -79,7 +81,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=(args.kv_allocator == "paged" if args.enable_prefix_caching is None
                                        else args.enable_prefix_caching),
                 gpu_memory_utilization=args.gpu_memory_utilization,
-                kv_allocator=args.kv_allocator, contiguous_reserve=args.contiguous_reserve)
+                kv_allocator=args.kv_allocator, contiguous_reserve=args.contiguous_reserve,
+                max_logprobs=args.max_logprobs)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float,

@@ -11,7 +11,6 @@ import argparse
 import itertools
 import sys
 
-from ..engine.input_processor import RequestError
 from ..engine.llm_engine import LLMEngine
 from ..sampling_params import OutputKind
 from .args import engine_kwargs, sampling_params
@@ -32,8 +31,9 @@ def format_stats(stats: dict) -> str:
 class ChatSession:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.engine = LLMEngine(**engine_kwargs(args))
+        # The sampling flags are checked before the (slow) load, as the engine flags are.
         self.params = sampling_params(args, output_kind=OutputKind.DELTA)
+        self.engine = LLMEngine(**engine_kwargs(args))
         self.messages: list[dict] = []
         self.interactive = sys.stdin.isatty()
         self._ids = itertools.count()
@@ -108,10 +108,12 @@ class ChatSession:
 
     def answer(self) -> str | None:
         request_id = f"chat-{next(self._ids)}"
-        messages, ids = self.fitted_prompt()
         try:
+            # The template checks the messages: a line that is not valid Unicode (a pipe
+            # decoded with surrogateescape) is a ValueError there, a refused request a RequestError.
+            messages, ids = self.fitted_prompt()
             self.engine.add_request(request_id, ids, self.params)
-        except RequestError as err:
+        except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return None
         if len(messages) < len(self.messages):  # accepted: the trimmed history is the history now
