@@ -10,7 +10,7 @@ The package is laid out as the operating system it mirrors (docs/architecture.md
     memory/       the virtual-memory manager: frames, page tables, the page cache
     scheduler/    the process scheduler: FCFS queues, budgets, preemption
     engine/       the main loop and the machinery it drives (model runner, cache, sampler)
-    entrypoints/  the front doors: the command line, chat
+    entrypoints/  the front doors: the command line, chat, the OpenAI-compatible server
     tools/        instruments that measure and draw the engine (bench, gpu_check, viz)
     model/        the process image: the Llama transformer, weights, tokenizer
     kernels/      the hardware: paged attention, KV writes, block copies
@@ -20,6 +20,7 @@ and at this level the vocabulary they all share: ``config``, ``sampling_params``
 """
 
 from . import boot  # noqa: F401  (first: thread settings must precede numpy's import)
+from .engine.async_llm_engine import AsyncLLMEngine
 from .engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .engine.llm import LLM
 from .engine.llm_engine import LLMEngine
@@ -27,6 +28,6 @@ from .engine.input_processor import RequestError
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import OutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "OutputKind", "RequestOutput",
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "SamplingParams", "OutputKind", "RequestOutput",
            "CompletionOutput", "RequestError", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
     llm_engine.py        LLMEngine: add_request / step / abort_request / get_stats, the main loop
     llm.py               LLM: generate / chat / beam_search, vLLM's offline API over one LLMEngine
+    async_llm_engine.py  AsyncLLMEngine: one engine loop shared by many concurrent callers (the server's)
     input_processor.py   a request checked in full before it is queued (exec()'s checks): RequestError
     backend.py           the hardware abstraction layer: picks the device and the kernel namespace
     cache_engine.py      physical memory and swap space: owns the KV pool and the CPU swap pool,

@@ -1,4 +1,4 @@
-"""The command line: ``python -m minipaged chat | generate | fetch | bench``.
+"""The command line: ``python -m minipaged chat | generate | serve | fetch | bench``.
 
 The command table (the shell of the analogy): one parser per command, each with
 the shared engine and sampling flags of args.py, and the small commands themselves
@@ -8,11 +8,13 @@ the shared engine and sampling flags of args.py, and the small commands themselv
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from ..model.errors import ModelFetchError, ModelFormatError
 from ..model.fetch import DEFAULT_MODEL, KNOWN_MODELS
+from ..sampling_params import OutputKind
 from .args import add_engine_flags, add_sampling_flags, engine_kwargs, sampling_params
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,10 +55,43 @@ def build_parser() -> argparse.ArgumentParser:
                        help="convert this local GGUF file instead of downloading (offline)")
     fetch.add_argument("--force", action="store_true", help="rebuild even if already converted")
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)",
+                           description="Serve the model over HTTP with OpenAI's API (/v1/completions, "
+                                       "/v1/chat/completions, /v1/models, ...), as `vllm serve` does: every "
+                                       "client shares one engine and one pool of KV blocks. Needs "
+                                       "pip install -e '.[serve]'. Details: docs/serving.md.")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as `vllm serve MODEL` takes it (or use --model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the name clients give in the 'model' field (default: the model's)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: no check)")
+    serve.add_argument("--max-queued-requests", type=int, default=None,
+                       help="answer 503 to new requests while this many wait (default: no limit)")
+    # prefix caching on: multi-turn chats resubmit their history
+    add_engine_flags(serve, log_stats_interval=10.0, prefix_caching=True)
+
     from ..tools.bench import add_bench_parser  # noqa: PLC0415
 
     add_bench_parser(sub, add_engine_flags)
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from .api_server import serve  # noqa: PLC0415 (FastAPI and uvicorn: the serve extra)
+    except ImportError as err:
+        raise ValueError(f"serve needs the serve extra ({err.name} is missing): "
+                         "pip install -e '.[serve]'") from None
+    kwargs = engine_kwargs(args)
+    if args.model_tag is not None:
+        kwargs["model"] = args.model_tag
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    return serve(kwargs, host=args.host, port=args.port, served_model_name=args.served_model_name,
+                 api_key=args.api_key, max_queued_requests=args.max_queued_requests)
 
 
 # --------------------------------------------------------------------------- commands
@@ -73,21 +108,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..engine.beam_search import BeamSearchParams  # noqa: PLC0415
     from ..engine.llm import LLM  # noqa: PLC0415
 
+    # The sampling flags are checked before the (slow) load, as the engine flags are.
+    if args.show_blocks and args.beam_width is not None:
+        raise ValueError("--show-blocks steps the engine by hand; use it without --beam-width")
+    if args.beam_width is not None:
+        beam_params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
+                                       ignore_eos=args.ignore_eos, length_penalty=args.length_penalty)
+    else:
+        params = sampling_params(args, n=args.n)
     llm = LLM(**engine_kwargs(args))
     if args.show_blocks:
-        if args.beam_width is not None:
-            raise ValueError("--show-blocks steps the engine by hand; use it without --beam-width")
-        return _generate_showing_blocks(llm.llm_engine, args)
+        return _generate_showing_blocks(llm.llm_engine, args.prompts,
+                                        dataclasses.replace(params, output_kind=OutputKind.FINAL_ONLY))
     if args.beam_width is not None:
-        beams = llm.beam_search(args.prompts, BeamSearchParams(
-            beam_width=args.beam_width, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-            length_penalty=args.length_penalty), use_tqdm=False)
+        beams = llm.beam_search(args.prompts, beam_params, use_tqdm=False)
         rows = [{"prompt": p, "outputs": [{"text": s.text, "token_ids": s.tokens,
                                              "cumulative_logprob": s.cum_logprob,
                                              "finish_reason": s.finish_reason} for s in b.sequences]}
                 for p, b in zip(args.prompts, beams)]
     else:
-        outputs = llm.generate(args.prompts, sampling_params(args, n=args.n), use_tqdm=False)
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
         rows = [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids,
                  "outputs": [{"text": o.prompt + c.text, "token_ids": c.token_ids,
                               "cumulative_logprob": c.cumulative_logprob,
@@ -108,13 +148,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_showing_blocks(engine, args: argparse.Namespace) -> int:
+def _generate_showing_blocks(engine, prompts: list[str], params) -> int:
     """generate, one step at a time, printing the pool and the page tables after each."""
-    from ..sampling_params import OutputKind  # noqa: PLC0415
     from ..tools.viz import engine_snapshot, render_text  # noqa: PLC0415
 
-    params = sampling_params(args, n=args.n, output_kind=OutputKind.FINAL_ONLY)
-    for i, prompt in enumerate(args.prompts):
+    for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
     step, finished = 0, {}
     while engine.has_unfinished_requests():
@@ -125,7 +163,7 @@ def _generate_showing_blocks(engine, args: argparse.Namespace) -> int:
         print(render_text(engine_snapshot(engine)))
         for out in plan_outputs:
             finished[out.request_id] = out
-    for i in range(len(args.prompts)):
+    for i in range(len(prompts)):
         out = finished[str(i)]
         for c in out.outputs:
             print(f"{out.prompt}{c.text}")
@@ -141,7 +179,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"chat": cmd_chat, "generate": cmd_generate, "fetch": cmd_fetch}
+    commands = {"chat": cmd_chat, "generate": cmd_generate, "fetch": cmd_fetch, "serve": cmd_serve}
     try:
         if args.command == "bench":
             from ..tools.bench import cmd_bench  # noqa: PLC0415

@@ -1,0 +1,144 @@
+"""The OpenAI API's request shapes (pydantic), and what they turn into: SamplingParams.
+
+The system-call interface of the analogy: a fixed, documented request format that any
+client speaks (here: OpenAI's, with vLLM's extra fields), checked at the door and turned
+into the engine's own vocabulary. Responses are built as plain dicts in api_server.py.
+Field names, defaults and meanings follow OpenAI's API reference, and vLLM's
+``protocol.py`` for the fields OpenAI does not have (``top_k``, ``min_p``, ``ignore_eos``...).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..sampling_params import OutputKind, SamplingParams
+
+
+class OpenAIModel(BaseModel):
+    # Unknown fields are ignored, as vLLM does: clients send fields a server may not know.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """The fields completions and chat completions share."""
+
+    model: str
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: Union[str, list[str], None] = None
+    seed: Union[int, None] = None
+    stream: bool = False
+    stream_options: Union[StreamOptions, None] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Union[dict[str, float], None] = None
+    user: Union[str, None] = None
+    # vLLM's extensions
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Union[list[int], None] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def unsupported(self) -> tuple[str, object] | None:
+        """A field set to something this engine cannot do yet (refused with a 400)."""
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                              ("repetition_penalty", 1.0)):
+            if getattr(self, name) != neutral:
+                return name, getattr(self, name)
+        if self.logit_bias:
+            return "logit_bias", self.logit_bias
+        return None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams; a bad value raises ValueError naming the field."""
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            output_kind=OutputKind.DELTA if self.stream else OutputKind.FINAL_ONLY)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: a prompt (or several) to continue."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Union[int, None] = 16
+    logprobs: Union[int, None] = None          # top log-probabilities per token (OpenAI allows <= 5)
+    echo: bool = False                         # put the prompt in front of the completion
+
+    def prompts(self) -> list:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(t, int) for t in p):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: Union[str, list[TextPart], None] = None
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``: a conversation to answer."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Union[int, None] = None               # deprecated by OpenAI in favour of the next
+    max_completion_tokens: Union[int, None] = None
+    logprobs: bool = False
+    top_logprobs: Union[int, None] = None
+    add_generation_prompt: bool = True                # vLLM's
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def top_logprobs_asked(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+class TokenizeRequest(OpenAIModel):
+    """``POST /tokenize`` (vLLM's): a prompt, or a conversation through the chat template."""
+
+    model: Union[str, None] = None
+    prompt: Union[str, None] = None
+    messages: Union[list[ChatMessage], None] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: Union[str, None] = None
+    tokens: list[int]
