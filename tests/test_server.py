@@ -278,3 +278,116 @@ def test_ctrl_c_aborts_requests_in_flight_and_exits_0(long_model_dir):
         code, output = s.stop(signal.SIGINT)
     assert code == 0, output[-2000:]
     assert "aborted 1 request(s) in flight; KV blocks in use: 0" in output
+
+
+def test_metrics_under_vllm_names(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0.0,
+                              extra_body={"ignore_eos": True})
+    text = httpx.get(f"{server.base}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_swapped",
+                 "vllm:gpu_cache_usage_perc", "vllm:cpu_cache_usage_perc", "vllm:num_preemptions",
+                 "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:prefix_cache_queries",
+                 "vllm:prefix_cache_hits", "minipaged:swap_out_bytes", "minipaged:swap_in_bytes",
+                 "vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
+                 "vllm:e2e_request_latency_seconds"):
+        assert name in families, name
+    value = {s.name: s.value for f in families.values() for s in f.samples if s.labels.get("model_name") == MODEL}
+    stats = httpx.get(f"{server.base}/stats").json()
+    assert value["vllm:generation_tokens_total"] == stats["generation_tokens"] > 0
+    assert value["vllm:prompt_tokens_total"] == stats["prompt_tokens"]
+    assert value["vllm:e2e_request_latency_seconds_count"] >= 1
+    assert value["vllm:time_to_first_token_seconds_count"] >= 1
+    assert value["vllm:num_requests_running"] == 0 and value["vllm:gpu_cache_usage_perc"] == 0
+
+
+def test_kv_map_shows_a_running_request(long_model_dir):
+    s = ServerProcess(long_model_dir, *LONG_FLAGS)
+    try:
+        with httpx.stream("POST", f"{s.url}/completions", json={**LONG_BODY, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: {"))[6:])
+            kv = httpx.get(f"{s.base}/kv").json()
+            (table,) = kv["tables"]
+            assert table["request"].startswith(first["id"]) and not table["on_cpu"]
+            assert sum(table["fills"]) >= len(LONG_BODY["prompt"])
+            for block in table["blocks"]:
+                entry = kv["device"][block]
+                assert entry["state"] == "used" and entry["ref_count"] == 1 and entry["requests"] == [table["request"]]
+            assert kv["counts"]["used"] == len(table["blocks"])
+            assert kv["counts"]["used"] + kv["counts"]["free"] + kv["counts"]["cached"] == kv["num_blocks"]
+            page = httpx.get(f"{s.base}/").text
+            assert "<svg" in page and 'fetch("kv")' in page
+            r.close()
+        kv = httpx.get(f"{s.base}/kv").json()
+        assert kv["counts"]["used"] == 0 and not kv["tables"]
+    finally:
+        code, output = s.stop()
+    assert code == 0, output[-2000:]
+
+
+def chromium() -> str | None:
+    import shutil
+
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def test_the_live_map_renders_in_headless_chromium(long_model_dir, tmp_path):
+    """The page at / drawn by a real browser while a request runs: its SVG has used blocks."""
+    browser = chromium()
+    if browser is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must have chromium (.ci/run installs Debian's package)")
+        pytest.skip("no chromium on this machine (apt-get install chromium)")
+    s = ServerProcess(long_model_dir, *LONG_FLAGS)
+    try:
+        with httpx.stream("POST", f"{s.url}/completions", json={**LONG_BODY, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                     f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=3000"]
+            dom = subprocess.run([browser, *flags, "--dump-dom", f"{s.base}/"], capture_output=True, text=True,
+                                 timeout=120).stdout
+            shot = tmp_path / "kv.png"
+            subprocess.run([browser, *flags, "--window-size=1300,700", f"--screenshot={shot}", f"{s.base}/"],
+                           capture_output=True, timeout=120)
+            r.close()
+        assert 'data-state="used"' in dom and 'data-used-blocks="0"' not in dom
+        assert "used," in dom and "sequences" in dom          # the summary line was drawn
+        assert shot.exists() and shot.stat().st_size > 10_000
+    finally:
+        code, output = s.stop()
+    assert code == 0, output[-2000:]
+
+
+def test_bench_serve_reports_like_vllms_serving_benchmark(tiny_model_dir, tmp_path):
+    out = tmp_path / "serve.json"
+    done = subprocess.run([sys.executable, "-m", "minipaged", "bench", "serve", "--model", str(tiny_model_dir),
+                           "--device", "cpu", "--swap-space", "0.01", "--log-stats-interval", "0",
+                           "--num-prompts", "6", "--min-prompt-len", "8", "--max-prompt-len", "30",
+                           "--output-len", "5", "--request-rate", "40", "--max-concurrency", "4",
+                           "--compare-offline", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())["result"]
+    assert result["requests"] == 6 and result["failed"] == 0 and result["output_tokens"] == 30
+    for key in ("request_throughput", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "itl_p99_s",
+                "offline_output_tok_s", "server_vs_offline"):
+        assert result[key] > 0, key
+    assert "request_throughput" in done.stdout
+
+
+def test_schemathesis_finds_no_server_error(server, tmp_path):
+    """Schemathesis generates requests from the server's own OpenAPI schema (valid, invalid,
+    edge cases) and checks that none gets a 5xx; then the server is idle with 0 blocks."""
+    import shutil
+    from pathlib import Path
+
+    cli = Path(sys.executable).parent / "schemathesis"     # the console script of this environment
+    done = subprocess.run([str(cli) if cli.exists() else shutil.which("schemathesis"), "run", f"{server.base}/openapi.json", "--checks", "not_a_server_error",
+                           "--max-examples", "40", "--request-timeout", "60", "--seed", "1"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)   # it writes .schemathesis/
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout.split("SUMMARY")[-1]
+    assert kv_blocks_used(server) == 0

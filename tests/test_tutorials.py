@@ -170,3 +170,14 @@ def test_readme_states_the_core_engine_line_count():
             "memory/prefix_cache", "scheduler/scheduler", "engine/input_processor", "engine/llm_engine"]
     actual = sum(len((ROOT / "minipaged" / f"{name}.py").read_text().splitlines()) for name in core)
     assert stated == actual, f"README says {stated} lines, the core engine has {actual}"
+
+
+@pytest.mark.slow
+def test_t13_serving_many_clients():
+    out = run_tutorial("13_serving_many_clients.py")
+    assert re.search(r"at most [2-4] requests held blocks at the same moment; \d+ engine steps served more "
+                     r"than one client", out)
+    assert re.search(r"the highest ref count seen: [2-4] \(the system prompt's first blocks", out)
+    assert re.search(r"now 0 blocks are used and \d+ are cached", out)
+    assert 'vllm:prefix_cache_hits_total{model_name="smollm2-135m-instruct"}' in out
+    assert "aborted 0 request(s) in flight; KV blocks in use: 0" in out

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import OutputKind, SamplingParams
 from ..sequence import SequenceGroup
 from .beam_search import BeamSearchParams
 from .input_processor import RequestError
@@ -56,6 +56,9 @@ class AsyncLLMEngine:
         self._loop_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self.steps_with_several_requests = 0              # steps that served more than one request
+        # called as fn(output, num_output_tokens) when a request finishes (the server's metrics)
+        self.finished_listeners: list = []
+        self._delta: dict[str, list[int]] = {}            # DELTA requests: tokens so far per sample
 
     @classmethod
     def from_engine_args(cls, max_queued_requests: int | None = None, **engine_kwargs) -> "AsyncLLMEngine":
@@ -86,6 +89,8 @@ class AsyncLLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        if group.sampling_params.output_kind == OutputKind.DELTA:
+            self._delta[request_id] = [0] * len(group.seqs)
         self._hand_over(("add", group))
         return RequestStream(self, request_id, queue)
 
@@ -107,6 +112,7 @@ class AsyncLLMEngine:
         """Cancel a request: its stream raises ``RequestAbortedError``, and its blocks are
         free after the next step."""
         request_id = str(request_id)
+        self._delta.pop(request_id, None)
         queue = self._queues.pop(request_id, None)
         if queue is not None:
             queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted"))
@@ -214,6 +220,7 @@ class AsyncLLMEngine:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
+                    self._count(out)
                 if not keep_running:
                     return
                 await asyncio.sleep(0)                # let callers add requests between steps
@@ -226,6 +233,20 @@ class AsyncLLMEngine:
                 await loop.run_in_executor(self._worker, self._abort_everything)
             except Exception:  # noqa: BLE001
                 pass
+
+    def _count(self, out: RequestOutput) -> None:
+        """Output tokens per sample (deltas add up); tell the listeners when a request ends."""
+        counts = self._delta.get(out.request_id)
+        if counts is not None:
+            for c in out.outputs:
+                if c.index < len(counts):
+                    counts[c.index] += len(c.token_ids)
+        if not out.finished:
+            return
+        self._delta.pop(out.request_id, None)
+        longest = max(counts) if counts else max((len(c.token_ids) for c in out.outputs), default=0)
+        for listener in self.finished_listeners:
+            listener(out, longest)
 
     def _abort_everything(self) -> None:
         with self._pending_lock:

@@ -10,6 +10,9 @@ OpenAI's error JSON. The engine never imports the web stack.
     GET  /v1/models  /health  /version
     POST /v1/completions  /v1/chat/completions   (stream or not)
     POST /tokenize  /detokenize                   (vLLM's)
+    GET  /metrics                                 (Prometheus, vLLM's metric names)
+    GET  /kv  /                                   (the pool as JSON; the live memory map)
+    GET  /stats                                   (minipaged's get_stats())
 
 A client that disconnects, streaming or not, aborts its request: its blocks are free
 after the next step. Ctrl-C (SIGINT or SIGTERM) aborts every request in flight and exits 0.
@@ -26,18 +29,24 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_llm_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
                                        RequestAbortedError)
 from ..engine.input_processor import RequestError
 from ..outputs import RequestOutput
+from ..tools.viz import kv_map
 from .openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                               SamplingFields, TokenizeRequest)
+from .prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
+from .prometheus import ServerMetrics
+
+KV_PAGE = Path(__file__).parent / "static" / "kv.html"   # the live memory map (GET /)
 
 logger = logging.getLogger("minipaged")
 
@@ -403,6 +412,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
                   description="An OpenAI-compatible server over minipaged's PagedAttention engine.")
     server = OpenAIServer(engine, served_model_name)
     app.state.server = server
+    metrics = ServerMetrics(served_model_name)
+    engine.finished_listeners.append(metrics.observe_finished)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
@@ -452,6 +463,21 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def stats():
         """minipaged's own: the engine's get_stats() (queues, KV blocks, preemptions, latencies)."""
         return {**(await engine.get_stats()), "steps_with_several_requests": engine.steps_with_several_requests}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        """Prometheus text, under vLLM's metric names (entrypoints/prometheus.py)."""
+        return Response(metrics.render(await engine.get_stats()), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/kv")
+    async def kv():
+        """The KV pool and every page table as JSON, read between two steps (tools/viz.py kv_map)."""
+        return await engine.call_between_steps(kv_map, engine.engine)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def live_map():
+        """The live memory map: a page that polls /kv and draws the pool and the page tables."""
+        return HTMLResponse(KV_PAGE.read_text())
 
     @app.get("/version")
     async def version():

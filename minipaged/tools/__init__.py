@@ -5,6 +5,7 @@
     measure.py      runs a trace through an engine and times it (throughput, TTFT, TPOT, ITL)
     report.py       the tables, the memory workload's figures and its plot
     bench_peers.py  the Hugging Face transformers peer, in a child process
+    bench_serve.py  ``bench serve``: streaming HTTP clients with Poisson arrivals against the server
     gpu_check.py    ``python -m minipaged.gpu_check``: every CUDA kernel checked and timed on a GPU,
                     then the engine end to end (``--smoke``: the same on the CPU harness)
     viz.py          pictures of the KV pool and the page tables from real engine state (text, SVG)

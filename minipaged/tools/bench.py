@@ -5,7 +5,8 @@ ignore refused before any model loads (``check_bench_args``), and the runs: one
 engine per setting compared (prefix caching off/on, chunked prefill off/on, paged
 against contiguous), each warmed up and then measured on the same trace. The
 traces are in workloads.py, the timing in measure.py, the tables and the plot in
-report.py, the Hugging Face peer in bench_peers.py.
+report.py, the Hugging Face peer in bench_peers.py, the HTTP clients of ``bench serve`` in
+bench_serve.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..engine.backend import release_device_memory
 from ..engine.llm_engine import LLMEngine
 from ..engine.metrics import Metrics
 from .bench_peers import run_peer
+from .bench_serve import bench_serve
 from .measure import run_workload
 from .report import memory_figures, plot_memory, print_result, print_table
 from .workloads import PEER_WORKLOADS, WORKLOAD_ENGINE, WORKLOADS, BenchRequest, make_prompts, make_requests
@@ -41,6 +43,14 @@ def add_bench_parser(sub, add_engine_flags) -> None:
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="memory: draw KV usage and its breakdown over time for each allocator "
                         "(needs matplotlib: pip install -e '.[plot]')")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="serve: requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="serve: most requests in flight")
+    p.add_argument("--base-url", default=None, metavar="URL",
+                   help="serve: benchmark the server at this URL (e.g. http://127.0.0.1:8000) instead of "
+                        "starting one")
+    p.add_argument("--compare-offline", action="store_true", default=None,
+                   help="serve: also run the same prompts through LLMEngine in this process")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the prompt lengths and ids")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--peer", choices=["hf"], default=None,
@@ -104,6 +114,15 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
     _, defaults = WORKLOADS[args.workload]
     check_bench_args(args, defaults)
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
+    if args.workload == "serve":
+        report = {"workload": "serve", "config": {k: v for k, v in cfg.items() if k != "base_url"},
+                  "engine": engine_kwargs if args.base_url is None else None,
+                  "result": bench_serve(args, cfg, engine_kwargs)}
+        print_result("serve", report["config"], report["result"])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2, default=str)
+        return 1 if report["result"]["failed"] else 0
     base = dict(engine_kwargs)
     for key in WORKLOAD_ENGINE.get(args.workload, ()):
         if base[key] is None:

@@ -175,3 +175,60 @@ def render_svg(view: PoolView, title: str = "", max_blocks: int = 32) -> str:
                        f'fill="#555">{note}</text>')
     out.append("</svg>")
     return "\n".join(out)
+
+
+def kv_map(engine) -> dict:
+    """The whole KV cache as plain data (``GET /kv``): every block of the device pool and of
+    the CPU swap pool, and every sequence's page table, from the engine's real state.
+
+    A device block is "used" (some table maps it), "reserved" (held ahead for a request:
+    the contiguous baseline), "cached" (free, its contents kept by the prefix cache) or
+    "free"; a CPU block is "swapped" (holding a preempted request's K/V) or "free". ``fill``
+    is the number of slots written, ``requests`` the requests whose tables map the block.
+    Read it between two steps (the server does it on the engine's thread).
+    """
+    bm = engine.block_manager
+    names: dict[int, str] = {}          # seq_id -> "request" or "request.sample"
+    seqs = {}                           # seq_id -> Sequence
+    for queue in (engine.scheduler.running, engine.scheduler.swapped, engine.scheduler.waiting):
+        for group in queue:
+            for i, seq in enumerate(group.seqs):
+                names[seq.seq_id] = group.request_id if len(group.seqs) == 1 else f"{group.request_id}.{i}"
+                seqs[seq.seq_id] = seq
+    size = bm.block_size
+    device = [{"id": b, "state": "free", "ref_count": int(bm.allocator.ref_counts[b]), "fill": 0, "requests": []}
+              for b in range(bm.num_blocks)]
+    cpu = [{"id": b, "state": "free", "ref_count": int(bm.cpu_allocator.ref_counts[b]), "fill": 0, "requests": []}
+           for b in range(bm.cpu_allocator.num_blocks)]
+    tables = []
+    for seq_id, table in bm.tables.items():
+        on_cpu = seq_id in bm.on_cpu
+        pool = cpu if on_cpu else device
+        name = names.get(seq_id, f"seq {seq_id}")
+        for block, fill in zip(table.block_ids, table.fills):
+            entry = pool[block]
+            entry["state"] = "swapped" if on_cpu else "used"
+            entry["fill"] = max(entry["fill"], fill)
+            request = name.split(".")[0]
+            if request not in entry["requests"]:
+                entry["requests"].append(request)
+        tables.append({"sequence": name, "request": name.split(".")[0], "on_cpu": on_cpu,
+                       "blocks": list(table.block_ids), "fills": list(table.fills)})
+    cache = getattr(bm, "cache", None)
+    for entry in device:
+        if entry["state"] != "free":
+            continue
+        if cache is not None and entry["id"] in cache.evictable:
+            entry["state"], entry["fill"] = "cached", size
+        elif entry["ref_count"] > 0:
+            entry["state"] = "reserved"
+    for seq_id, seq in seqs.items():               # the contiguous baseline's reserved runs
+        if seq_id in bm.tables and seq_id not in bm.on_cpu:
+            for block in bm.reserved_blocks(seq):
+                device[block]["state"] = "reserved"
+                device[block]["requests"] = [names[seq_id].split(".")[0]]
+    counts = {state: sum(1 for e in device if e["state"] == state) for state in ("used", "cached", "reserved", "free")}
+    return {"block_size": size, "num_blocks": bm.num_blocks, "num_cpu_blocks": bm.cpu_allocator.num_blocks,
+            "counts": counts, "cpu_swapped": sum(1 for e in cpu if e["state"] == "swapped"),
+            "device": device, "cpu": cpu, "tables": tables}
+

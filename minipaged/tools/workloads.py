@@ -9,6 +9,7 @@ commits and machines. Each workload is a name, a description and its defaults;
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,12 @@ WORKLOADS = {
                "prompt + max_tokens): utilization, fragmentation, concurrency, throughput",
                dict(num_prompts=64, min_prompt_len=32, max_prompt_len=256, output_len=256, min_output_len=32,
                     num_blocks=512, max_model_len=1024)),
+    "serve": ("N streaming clients against the HTTP server (one it starts, or --base-url), arriving as a "
+              "Poisson process at REQUEST_RATE per second (inf: all at once), at most MAX_CONCURRENCY in "
+              "flight: request throughput, output tokens/s, TTFT / TPOT / ITL (with --compare-offline, the "
+              "same prompts through LLMEngine too)",
+              dict(num_prompts=32, min_prompt_len=32, max_prompt_len=256, output_len=128, request_rate=math.inf,
+                   max_concurrency=None, base_url=None, compare_offline=None)),
 }
 
 # Engine settings a workload fixes unless the command line sets them.
