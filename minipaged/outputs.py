@@ -27,3 +27,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token, finish times
+    # if SamplingParams.prompt_logprobs: per prompt token {token id: logprob} (the top k and the
+    # token itself, given the tokens before it); the first token, which has no context, gets None
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -17,6 +17,8 @@ class OutputKind(enum.Enum):
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM does)
+PENALTY_LIMIT = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (vLLM's and OpenAI's range)
+LOGIT_BIAS_LIMIT = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -95,6 +97,11 @@ class SamplingParams:
     top_p: float = 1.0                # keep the smallest set of tokens whose probability >= top_p
     top_k: int = -1                   # keep the k most likely tokens; -1 (or 0) keeps all
     min_p: float = 0.0                # drop tokens less likely than min_p * the top probability
+    # Penalties (vLLM's apply_penalties), on the logits before temperature and the filters:
+    presence_penalty: float = 0.0     # minus this once for every token already in the output
+    frequency_penalty: float = 0.0    # minus this times how often the token is in the output
+    repetition_penalty: float = 1.0   # tokens in the prompt or output: logit / p if > 0, else * p
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     seed: int | None = None           # per-request seed: same seed, same tokens
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -102,6 +109,7 @@ class SamplingParams:
     max_tokens: int = 16              # at add_request, capped to max_model_len - prompt length
     min_tokens: int = 0               # EOS and stops are ignored before this many tokens
     logprobs: int | None = None       # return this many top log-probabilities per token
+    prompt_logprobs: int | None = None  # and per prompt token (the first gets None): perplexity, echo
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
@@ -114,7 +122,8 @@ class SamplingParams:
         def store(name: str, value) -> None:
             object.__setattr__(self, name, value)
 
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
             value = as_float(getattr(self, name))
             if value is None:
                 bad(wrong_type(name, getattr(self, name), "a finite number"))
@@ -124,7 +133,7 @@ class SamplingParams:
             if value is None:
                 bad(wrong_type(name, getattr(self, name), "an integer"))
             store(name, value)
-        for name in ("seed", "logprobs"):
+        for name in ("seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 value = as_int(getattr(self, name))
                 if value is None:
@@ -145,6 +154,12 @@ class SamplingParams:
             bad(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {shown(self.top_k)}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {shown(self.min_p)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_LIMIT <= getattr(self, name) <= PENALTY_LIMIT:
+                bad(f"{name} must be in [-2, 2], got {shown(getattr(self, name))}")
+        if not self.repetition_penalty > 0.0:
+            bad(f"repetition_penalty must be > 0 (1 = off), got {shown(self.repetition_penalty)}")
+        store("logit_bias", self._checked_logit_bias(bad))
         if self.seed is not None and not 0 <= self.seed < 2**64:
             bad(f"seed must be an integer in [0, 2**64) or None, got {shown(self.seed)}")
         if self.max_tokens < 1:
@@ -153,6 +168,8 @@ class SamplingParams:
             bad(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {shown(self.min_tokens)}")
         if self.logprobs is not None and self.logprobs < 0:
             bad(f"logprobs must be a non-negative integer or None, got {shown(self.logprobs)}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad(f"prompt_logprobs must be a non-negative integer or None, got {shown(self.prompt_logprobs)}")
         # (not `self.stop or []`: the truth value of an array is an error of its own)
         stops = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
         if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or s == "" for s in stops):
@@ -171,6 +188,38 @@ class SamplingParams:
             bad("stop strings need detokenize=True (they are matched in the text)")
         if not isinstance(self.output_kind, OutputKind):
             bad(f"output_kind must be an OutputKind, got {shown(self.output_kind)}")
+
+    def _checked_logit_bias(self, bad) -> dict[int, float] | None:
+        """logit_bias as a new {int: float} dict (the caller's may change later), or None.
+
+        Keys are token ids: integers, numpy's too, but not bools or strings (a JSON body's
+        "50256" is the server's to convert). Values are finite numbers in [-100, 100]:
+        OpenAI refuses more, and vLLM, which clamps them, gains nothing from a larger
+        bias (+100 already makes a token all but certain). The vocabulary is checked at
+        add_request, as for stop_token_ids.
+        """
+        if self.logit_bias is None:
+            return None
+        if not isinstance(self.logit_bias, dict):
+            bad(f"logit_bias must be a dict of {{token id: bias}} or None, got {shown(self.logit_bias)}")
+        checked = {}
+        for key, value in self.logit_bias.items():
+            token = as_int(key)
+            if token is None or token < 0:
+                bad(f"logit_bias keys must be non-negative integer token ids, got {shown(key)} "
+                    f"({type(key).__name__})")
+            bias = as_float(value)
+            if bias is None:
+                bad(wrong_type(f"logit_bias[{token}]", value, "a finite number"))
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                bad(f"logit_bias[{token}] must be in [-100, 100], got {shown(value)}")
+            checked[token] = bias
+        return checked
+
+    @property
+    def has_penalties(self) -> bool:
+        """Does any penalty change the logits? (The sampler skips the rows where none does.)"""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

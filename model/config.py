@@ -1,4 +1,5 @@
-"""LlamaConfig: the architecture numbers of a Llama-style model, read from config.json."""
+"""LlamaConfig: the architecture numbers of a Llama-style model, read from config.json;
+and the sampling settings its generation_config.json recommends."""
 
 from __future__ import annotations
 
@@ -9,6 +10,45 @@ from pathlib import Path
 from .errors import ModelFormatError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# The sampling keys vLLM reads from generation_config.json (ModelConfig.get_diff_sampling_param),
+# and the SamplingParams field each becomes; the integers must be integers.
+GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+INTEGER_GENERATION_KEYS = ("top_k", "max_new_tokens")
+
+
+def read_generation_defaults(model_dir: str | Path) -> dict:
+    """The sampling settings the model's generation_config.json sets, under SamplingParams'
+    names (``max_new_tokens`` becomes ``max_tokens``); only the keys the file sets.
+
+    The keys are vLLM's. Unlike vLLM (which reads the file through transformers'
+    ``to_diff_dict`` and so drops a value equal to transformers' own default, such as
+    ``top_k: 50`` or ``temperature: 1.0``), a value the file states is kept: it is what the
+    model's authors wrote. ``do_sample`` is ignored, as vLLM ignores it. Types are checked
+    here (ModelFormatError naming the key); ranges are SamplingParams' to check.
+    No file: {}.
+    """
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelFormatError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise ModelFormatError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    defaults = {}
+    for key, field in GENERATION_KEYS.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        integer = key in INTEGER_GENERATION_KEYS
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            raise ModelFormatError(f"{path}: {key} must be {'an integer' if integer else 'a number'}, "
+                                   f"got {value!r}")
+        defaults[field] = value if integer else float(value)
+    return defaults
 
 
 def read_config_json(model_dir: str | Path) -> dict:

@@ -277,6 +277,9 @@ def test_beam_search_params_take_numpy_scalars(llm):
     (["generate", "hi", "--beam-width", "2", "--show-blocks"], "error: --show-blocks steps the engine by hand"),
     (["chat", "--top-p", "0"], "error: invalid SamplingParams: top_p must be in (0, 1]"),
     (["generate", "hi", "--max-logprobs", "-5"], "error: max_logprobs must be an integer >= 0"),
+    (["chat", "--repetition-penalty", "0"], "error: invalid SamplingParams: repetition_penalty must be > 0"),
+    (["generate", "hi", "--presence-penalty", "3"], "error: invalid SamplingParams: presence_penalty must be in"),
+    (["generate", "hi", "--frequency-penalty", "-2.5"], "error: invalid SamplingParams: frequency_penalty must be"),
 ])
 def test_cli_checks_sampling_flags_before_loading(args, message, capsys):
     # a model that does not exist: had the engine been built first, the error would name it
@@ -329,6 +332,12 @@ GOOD = {
     "max_tokens": st.one_of(st.integers(1, 3), st.sampled_from([np.int64(2), 10**6])),  # 10**6: capped
     "min_tokens": st.sampled_from([0, 1, 2, np.int8(1)]),
     "logprobs": st.one_of(st.none(), st.integers(0, 20), st.sampled_from([np.int64(2)])),
+    "prompt_logprobs": st.one_of(st.none(), st.integers(0, 20), st.sampled_from([np.int64(1)])),
+    "presence_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([0, np.float32(1.5)])),
+    "frequency_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([-2, np.float64(0.5)])),
+    "repetition_penalty": st.one_of(st.floats(1e-3, 10), st.sampled_from([1, np.float32(1.2)])),
+    "logit_bias": st.one_of(st.none(), st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=4),
+                            st.sampled_from([{np.int64(5): np.float32(3)}, {VOCAB - 1: 100}, {}])),
     "include_stop_str_in_output": st.sampled_from([True, False, np.False_]),
     "skip_special_tokens": st.sampled_from([True, False]),
     "detokenize": st.sampled_from([True, False, np.True_]),
@@ -350,6 +359,13 @@ BAD = {
     "min_tokens": st.one_of(st.integers(-5, -1), st.integers(10**6 + 1, 10**9),   # above any good max_tokens
                             st.sampled_from([True, None, 1.0])),
     "logprobs": st.one_of(st.integers(max_value=-1), st.sampled_from([True, 2.0, "1"])),
+    "prompt_logprobs": st.one_of(st.integers(max_value=-1), st.sampled_from([True, 2.0, "1"])),
+    "presence_penalty": st.one_of(st.floats(2.0001, 1e9), st.floats(-1e9, -2.0001),
+                                  st.sampled_from([True, None, float("nan"), "1"])),
+    "frequency_penalty": st.one_of(st.floats(2.0001, 1e9), st.sampled_from([np.True_, float("inf"), None])),
+    "repetition_penalty": st.one_of(st.floats(-10, 0), st.sampled_from([True, None, float("nan"), "1.1"])),
+    "logit_bias": st.sampled_from([{"5": 1.0}, {True: 1.0}, {5: 101}, {5: float("nan")}, {-1: 1.0}, [(5, 1.0)],
+                                   {5: None}, {2.0: 1.0}, 5]),
     "include_stop_str_in_output": st.sampled_from(["yes", 1, None]),
     "skip_special_tokens": st.sampled_from([None, 1, "true"]),
     "detokenize": st.sampled_from(["false", 0]),
@@ -357,7 +373,9 @@ BAD = {
 }
 # out of range for this engine only: refused at add_request
 BAD_HERE = {"stop_token_ids": st.sampled_from([[VOCAB], [10**9], [40, 10**12]]),
-            "logprobs": st.sampled_from([21, 10**6])}
+            "logprobs": st.sampled_from([21, 10**6]),
+            "prompt_logprobs": st.sampled_from([21, 10**6]),
+            "logit_bias": st.sampled_from([{VOCAB: 1.0}, {3: 1.0, 10**9: -1.0}])}
 
 
 def bad_value(name):
@@ -413,7 +431,7 @@ MODES = {"clean": (good_kwargs, good_shapes), "bad field": (one_bad_kwargs, good
 
 
 ERROR_WORDS = tuple(f"{name} must" for name in GOOD) + (
-    "logprobs=", "stop_token_ids:", "stop strings need detokenize", "sampling params", "sampling_params[",
+    "logprobs=", "stop_token_ids:", "logit_bias keys must", "logit_bias[", "logit_bias:", "stop strings need detokenize", "sampling params", "sampling_params[",
     "prompt", "token id", "token-id", "KV blocks", "max_model_len", "Unicode")
 
 
@@ -474,6 +492,12 @@ def test_fuzz_random_requests_run_or_are_refused_cleanly(llm, mode, data, api):
             assert sorted(tokens) == list(range(sp.n))
             assert all(1 <= t <= min(sp.max_tokens, MAX_MODEL_LEN) for t in tokens.values()), tokens
             assert {c.finish_reason for c in completions if c.finish_reason} <= {"stop", "length"}
+        for out, sp in zip(outputs if api != "engine" else [], wanted):   # one prompt_logprobs entry a token
+            sp = sp or SamplingParams()
+            assert (out.prompt_logprobs is None) == (sp.prompt_logprobs is None)
+            if out.prompt_logprobs is not None:
+                assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
+                assert all(len(e) <= sp.prompt_logprobs + 1 for e in out.prompt_logprobs[1:])
     engine.block_manager.check_invariants()
     assert engine.block_manager.num_used_blocks == 0 and not engine.groups
     assert not engine.has_unfinished_requests()

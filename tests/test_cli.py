@@ -22,7 +22,7 @@ def test_chat_from_piped_stdin_keeps_history(tiny_model_dir):
     result = run_cli("chat", *flags, stdin="hello\n/stats\nand again\n/reset\nhello\n")
     assert result.returncode == 0, result.stderr
     llm = LLM(str(tiny_model_dir), device="cpu")
-    params = SamplingParams(temperature=0, max_tokens=6)
+    params = SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.1)   # chat's default penalty
     first = llm.chat([{"role": "user", "content": "hello"}], params, use_tqdm=False)[0].outputs[0].text
     second = llm.chat([{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
                        {"role": "user", "content": "and again"}], params, use_tqdm=False)[0].outputs[0].text
@@ -41,7 +41,7 @@ def test_refused_message_keeps_the_history(tiny_model_dir):
     assert result.returncode == 0, result.stderr
     assert "error: the prompt has" in result.stderr and "max_model_len=64" in result.stderr
     llm = LLM(str(tiny_model_dir), device="cpu", max_model_len=64)
-    params = SamplingParams(temperature=0, max_tokens=4)
+    params = SamplingParams(temperature=0, max_tokens=4, repetition_penalty=1.1)   # chat's default penalty
     first = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0].outputs[0].text
     third = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": first},
                       {"role": "user", "content": "again"}], params, use_tqdm=False)[0].outputs[0].text

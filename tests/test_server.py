@@ -166,7 +166,9 @@ def test_tokenize_detokenize(server):
     ({"model": MODEL, "prompt": list(range(3, 3 + 600))}, 400, "prompt"),
     ({"model": "nope", "prompt": "x"}, 404, "model"),
     ({"prompt": "x"}, 400, "model"),
-    ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 5}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, param):
     r = httpx.post(f"{server.url}/completions", json=body, timeout=30)
@@ -391,3 +393,33 @@ def test_schemathesis_finds_no_server_error(server, tmp_path):
     assert done.returncode == 0, done.stdout[-4000:]
     assert " passed" in done.stdout and "failed" not in done.stdout.split("SUMMARY")[-1]
     assert kv_blocks_used(server) == 0
+
+
+def test_penalties_and_bias_through_the_server_equal_offline(client, offline):
+    fields = dict(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.3)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, **fields,
+                            logit_bias={7: 3.0, 9: -5.0})
+    want = offline.generate({"prompt_token_ids": PROMPTS[1]}, params, use_tqdm=False)[0].outputs[0]
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0.0,
+                                    presence_penalty=0.8, frequency_penalty=0.4, logit_bias={"7": 3.0, "9": -5.0},
+                                    extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    assert got.choices[0].text == want.text
+    biased = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0.0,
+                                       logit_bias={"70": 100}, extra_body={"ignore_eos": True})
+    assert biased.choices[0].text == offline.get_tokenizer().decode([70] * 4)
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, offline):
+    """echo + logprobs: the prompt's own log-probabilities (the first token has none), then the
+    completion's; the prompt part equals the engine's prompt_logprobs offline."""
+    prompt = PROMPTS[2][:12]
+    want = offline.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=3, logprobs=1,
+                                                                         prompt_logprobs=1, ignore_eos=True),
+                            use_tqdm=False)[0]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0.0, logprobs=1,
+                                    echo=True, extra_body={"ignore_eos": True}).choices[0]
+    lp = got.logprobs
+    assert len(lp.tokens) == len(prompt) + 3 and lp.token_logprobs[0] is None
+    for i, token in enumerate(prompt[1:], start=1):
+        assert lp.token_logprobs[i] == pytest.approx(want.prompt_logprobs[i][token], abs=1e-5)
+    assert got.text.startswith(offline.get_tokenizer().decode(prompt))

@@ -110,9 +110,15 @@ class InputProcessor:
         if bad:   # the sampler bans stop ids by indexing the logits (min_tokens)
             raise RequestError(f"stop_token_ids: token id {shown(bad[0])} is outside the vocabulary "
                                f"(ids 0..{self.vocab_size - 1})")
-        if params.logprobs is not None and 0 <= self.max_logprobs < params.logprobs:
-            raise RequestError(f"logprobs={params.logprobs} is more than max_logprobs={self.max_logprobs} "
-                               "(an engine option; raise it to get more)")
+        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad:   # the sampler adds the bias by indexing the logits
+            raise RequestError(f"logit_bias: token id {shown(bad[0])} is outside the vocabulary "
+                               f"(ids 0..{self.vocab_size - 1})")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and 0 <= self.max_logprobs < asked:
+                raise RequestError(f"{name}={asked} is more than max_logprobs={self.max_logprobs} "
+                                   "(an engine option; raise it to get more)")
         if self.max_num_seqs is not None and params.n > self.max_num_seqs:
             # its n sequences must run together, and the scheduler never runs that many
             raise RequestError(f"n={params.n} sequences can never run at once: max_num_seqs="

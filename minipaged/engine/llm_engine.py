@@ -23,7 +23,7 @@ from ..config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from ..memory.block_manager import BlockManager
 from ..memory.contiguous_allocator import ContiguousBlockManager
 from ..memory.fragmentation import KVBreakdown, measure, summarize
-from ..model.config import LlamaConfig
+from ..model.config import LlamaConfig, read_generation_defaults
 from ..model.fetch import DEFAULT_MODEL, resolve_model
 from ..model.llama import LlamaModel
 from ..model.tokenizer import Tokenizer
@@ -77,6 +77,9 @@ class LLMEngine:
         model_dir = resolve_model(self.config.model)
         self.model_dir = model_dir
         self.model_config = LlamaConfig.from_dir(model_dir)
+        # What the model's generation_config.json recommends (only the keys it sets, under
+        # SamplingParams' names): the chat command and the server start from these.
+        self.generation_defaults: dict = read_generation_defaults(model_dir)
         max_pos = self.model_config.max_position_embeddings
         if max_model_len is not None and not (isinstance(max_model_len, int) and max_model_len > 0):
             raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len!r}")
@@ -223,18 +226,32 @@ class LLMEngine:
     def _run_model(self, items: list, touched: dict[str, SequenceGroup]) -> int:
         """One forward pass over ``items``, then sample; returns how many tokens were sampled."""
         tables = [self.block_manager.block_table(s.seq) for s in items]
-        model_input = build_model_input(items, tables, self.block_manager.block_size)
-        logits = self.runner.execute(model_input, self.cache.kv_cache)   # (N, vocab)
+        prompt_from = {}   # request -> first prompt position still needing logits (prompt_logprobs)
+        for item in items:
+            start = self.output_processor.prompt_logprobs_from(item.group) if item.is_prefill else None
+            if start is not None:
+                prompt_from[item.group.request_id] = start
+        model_input = build_model_input(items, tables, self.block_manager.block_size, prompt_from)
+        logits = self.runner.execute(model_input, self.cache.kv_cache)   # (N + M, vocab)
         rows = list(range(len(model_input.sampled)))
         beam_rows = [r for r in rows if model_input.sampled[r][0].group.beam is not None]
         sample_rows = [r for r in rows if model_input.sampled[r][0].group.beam is None]
         requests = [SampleRequest(item.group.sampling_params, self.generators[seq.seq_id],
-                                  self.output_processor.banned_tokens(item.group, seq))
+                                  self.output_processor.banned_tokens(item.group, seq),
+                                  seq.prompt_token_ids, seq.output_token_ids)
                     for item, seq in (model_input.sampled[r] for r in sample_rows)]
         results = self.sampler(logits[sample_rows], requests)
         beam_logprobs = to_host(log_softmax(logits[beam_rows].astype(np.float64), self.backend.xp))  # (beams, vocab)
+        prompt_results, offset = [], len(model_input.sampled)   # the prompt rows follow the sampled ones
+        for run in model_input.prompt_rows:
+            m = run.token_ids.shape[0]
+            prompt_results.append(self.sampler.prompt_logprobs(
+                logits[offset:offset + m], run.token_ids, run.group.sampling_params.prompt_logprobs))
+            offset += m
         # Only now does the step change sequences: if anything above raised (or was
         # interrupted), the same sequences are simply scheduled again next step.
+        for run, entries in zip(model_input.prompt_rows, prompt_results):
+            self.output_processor.add_prompt_logprobs(run.group, run.first_token, entries)
         for item in items:
             item.seq.num_computed_tokens += item.num_new_tokens
             for follower in item.followers:   # they share the prompt's blocks: same progress

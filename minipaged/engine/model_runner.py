@@ -4,6 +4,10 @@ This is where the virtual addresses become physical ones: each new token gets
 its slot (``block_table[pos // block_size] * block_size + pos % block_size``)
 and each sequence's block table is handed to attention, like a page-table base
 register loaded before a process runs.
+
+Logits are computed only for the rows that need them: the last new token of each
+sequence that samples, and, for a request that asked for ``prompt_logprobs``,
+every prompt position (each predicts the prompt token after it), chunk by chunk.
 """
 
 from __future__ import annotations
@@ -15,7 +19,16 @@ import numpy as np
 from ..kernels.layout import AttentionMetadata
 from ..model.llama import LlamaModel
 from ..scheduler.scheduler import ScheduledSeq
-from ..sequence import Sequence
+from ..sequence import Sequence, SequenceGroup
+
+
+@dataclass
+class PromptLogprobRows:
+    """A run of logits rows that score one request's prompt tokens (``prompt_logprobs``)."""
+
+    group: SequenceGroup
+    first_token: int            # index in the prompt of the token the first row predicts
+    token_ids: np.ndarray       # (M,) int64 the prompt tokens the rows predict, in order
 
 
 @dataclass
@@ -23,15 +36,25 @@ class ModelInput:
     input_ids: np.ndarray       # (T,) int64 the tokens computed this step, sequence after sequence
     positions: np.ndarray       # (T,) int64 their positions in their own sequences
     meta: AttentionMetadata
-    logits_indices: np.ndarray  # (N,) int64 batch rows whose next token is sampled (a row
-                                #       repeats for samples that share one prompt computation)
+    logits_indices: np.ndarray  # (N + M,) int64 batch rows that get logits: first the N sampled
+                                #       rows (a row repeats for samples that share one prompt
+                                #       computation), then the M rows of prompt_rows, in order
     sampled: list[tuple[ScheduledSeq, Sequence]]  # (N,) the scheduled item and the sample drawing
+    prompt_rows: list[PromptLogprobRows]          # the M prompt rows, run by run
 
 
 def build_model_input(scheduled: list[ScheduledSeq], block_tables: list[list[int]],
-                      block_size: int) -> ModelInput:
-    """Flatten the step: every scheduled sequence contributes its next ``num_new_tokens`` tokens."""
+                      block_size: int, prompt_logprobs_from: dict[str, int] | None = None) -> ModelInput:
+    """Flatten the step: every scheduled sequence contributes its next ``num_new_tokens`` tokens.
+
+    ``prompt_logprobs_from``: request id -> the first prompt position whose logits it still
+    needs (what it already has is not asked again, e.g. after a preemption by
+    recomputation); position p's logits predict prompt token p + 1, so the rows run up to
+    the prompt's second-to-last position. Requests not in it get no prompt rows.
+    """
     ids, positions, slots, q_lens, seq_lens, logits_rows, sampled = [], [], [], [], [], [], []
+    prompt_rows, prompt_logits_rows = [], []
+    wanted = dict(prompt_logprobs_from or {})
     row = 0
     for item, table in zip(scheduled, block_tables):
         seq, n = item.seq, item.num_new_tokens
@@ -43,6 +66,15 @@ def build_model_input(scheduled: list[ScheduledSeq], block_tables: list[list[int
         slots.append(table_arr[pos // block_size] * block_size + pos % block_size)
         q_lens.append(n)
         seq_lens.append(start + n)
+        request_id = item.group.request_id
+        if request_id in wanted:
+            first = max(start, wanted[request_id])
+            last = min(start + n, seq.num_prompt_tokens - 1)  # positions [first, last) are scored
+            if first < last:
+                prompt_logits_rows.append(np.arange(row + first - start, row + last - start, dtype=np.int64))
+                prompt_rows.append(PromptLogprobRows(
+                    item.group, first + 1, np.asarray(seq.prompt_token_ids[first + 1:last + 1], dtype=np.int64)))
+                wanted[request_id] = last                     # (another sample of it: not twice)
         row += n
         if item.do_sample:
             for sample in [seq, *item.followers]:             # the last new token predicts the next
@@ -62,8 +94,9 @@ def build_model_input(scheduled: list[ScheduledSeq], block_tables: list[list[int
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
     )
-    return ModelInput(np.concatenate(ids), np.concatenate(positions), meta,
-                      np.asarray(logits_rows, dtype=np.int64), sampled)
+    logits_indices = np.concatenate([np.asarray(logits_rows, dtype=np.int64), *prompt_logits_rows])
+    return ModelInput(np.concatenate(ids), np.concatenate(positions), meta, logits_indices, sampled,
+                      prompt_rows)
 
 
 class ModelRunner:
@@ -72,7 +105,8 @@ class ModelRunner:
         self.xp = model.ops.xp
 
     def execute(self, model_input: ModelInput, kv_cache):
-        """Run one step; returns the logits of the sampled rows, (N, vocab), on the device."""
+        """Run one step; returns the logits of ``logits_indices``, (N + M, vocab), on the device:
+        the sampled rows, then the prompt rows."""
         xp = self.xp
         m = model_input.meta
         meta = AttentionMetadata(

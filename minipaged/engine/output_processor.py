@@ -2,7 +2,9 @@
 
 It appends each sampled token, grows the text incrementally, applies the stop
 rules in vLLM's order (min_tokens, EOS, stop token ids, stop strings, length)
-and packages RequestOutputs as cumulative, delta or final-only reports.
+and packages RequestOutputs as cumulative, delta or final-only reports. It also
+keeps each request's ``prompt_logprobs`` as they arrive, chunk by chunk; a report
+carries them all (a DELTA stream: once, in its first report).
 """
 
 from __future__ import annotations
@@ -22,6 +24,23 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         # what each sequence has already reported, for DELTA outputs: seq_id -> (tokens, chars)
         self._reported: dict[int, tuple[int, int]] = {}
+        # request id -> its prompt logprobs so far: [None, {...}, ...], one per prompt token
+        self._prompt_logprobs: dict[str, list[dict[int, float] | None]] = {}
+        self._prompt_logprobs_sent: set[str] = set()   # DELTA requests that have had them
+
+    def prompt_logprobs_from(self, group: SequenceGroup) -> int | None:
+        """The first prompt position whose logits the request still needs for its
+        prompt_logprobs (position p scores prompt token p + 1); None if it asked for none."""
+        if group.sampling_params.prompt_logprobs is None:
+            return None
+        return len(self._prompt_logprobs.get(group.request_id, [None])) - 1
+
+    def add_prompt_logprobs(self, group: SequenceGroup, first_token: int,
+                            entries: list[dict[int, float]]) -> None:
+        """Record the logprobs of prompt tokens first_token, first_token + 1, ..."""
+        known = self._prompt_logprobs.setdefault(group.request_id, [None])   # the first token: None
+        assert first_token == len(known), f"prompt logprobs of {group.request_id} arrived out of order"
+        known.extend(entries)
 
     def banned_tokens(self, group: SequenceGroup, seq: Sequence) -> list[int]:
         """Tokens that may not be sampled yet: every stop token until min_tokens is reached."""
@@ -98,6 +117,22 @@ class OutputProcessor:
         """Drop what was reported for a finished or aborted request."""
         for seq in group.seqs:
             self._reported.pop(seq.seq_id, None)
+        self._prompt_logprobs.pop(group.request_id, None)
+        self._prompt_logprobs_sent.discard(group.request_id)
+
+    def _prompt_logprobs_report(self, group: SequenceGroup) -> list[dict[int, float] | None] | None:
+        """The request's prompt logprobs for this report (None if not asked, or already
+        sent to a DELTA stream). Every prompt token has its entry before the first token
+        is sampled, and only a sampled token makes a report, so the list is complete."""
+        if group.sampling_params.prompt_logprobs is None:
+            return None
+        if group.sampling_params.output_kind == OutputKind.DELTA:
+            if group.request_id in self._prompt_logprobs_sent:
+                return None
+            self._prompt_logprobs_sent.add(group.request_id)
+        entries = self._prompt_logprobs.get(group.request_id, [None])
+        assert len(entries) == len(group.prompt_token_ids), "a report came before the prompt's logprobs"
+        return list(entries)
 
     def make_output(self, group: SequenceGroup) -> RequestOutput | None:
         """The report for this step, or None if the request's output kind says to stay quiet."""
@@ -126,10 +161,12 @@ class OutputProcessor:
                 index=index, text=text, token_ids=list(tokens),
                 cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs,
                 finish_reason=reason, stop_reason=seq.stop_reason))
+        prompt_logprobs = self._prompt_logprobs_report(group)
         if finished:
             self.forget(group)
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids, outputs=completions, finished=finished,
             metrics={"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
-                     "finished_time": group.finished_time})
+                     "finished_time": group.finished_time},
+            prompt_logprobs=prompt_logprobs)

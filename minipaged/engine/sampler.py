@@ -1,14 +1,20 @@
 """Sampler: turns each row of logits into the next token, as its request asked.
 
-Greedy rows (temperature 0) take the argmax. Random rows are shaped in this
-order: temperature, top-k, top-p, min-p, then one draw from the request's own
-random generator, so a request with a seed gets the same tokens whatever else
-shares its batch. Log-probabilities are those of the model itself (the
-log-softmax of the raw logits), which is what ``cumulative_logprob`` sums.
+Every row is first adjusted in vLLM's order: bans (stop tokens before min_tokens)
+to -inf, then ``logit_bias`` added, then the penalties (repetition, frequency,
+presence; ``apply_penalties``). Only the rows whose request asks for a bias or a
+penalty pay for that step. Greedy rows (temperature 0) then take the argmax.
+Random rows are shaped in this order: temperature, top-k, top-p, min-p, then one
+draw from the request's own random generator, so a request with a seed gets the
+same tokens whatever else shares its batch. Log-probabilities are those of the
+model itself (the log-softmax of the raw logits, before bans, bias and
+penalties), which is what ``cumulative_logprob`` sums; the prompt's
+log-probabilities (``prompt_logprobs``) are computed the same way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +29,8 @@ class SampleRequest:
     params: SamplingParams
     generator: np.random.Generator
     banned_token_ids: list[int]  # e.g. EOS before min_tokens is reached
+    prompt_token_ids: Sequence[int] = ()  # read only if a penalty is asked (repetition_penalty)
+    output_token_ids: Sequence[int] = ()  # read only if a penalty is asked (all three)
 
 
 @dataclass
@@ -63,6 +71,78 @@ def to_host(array) -> np.ndarray:
     return array.get() if hasattr(array, "get") else np.asarray(array)
 
 
+def adjust_logits(logits, requests: list[SampleRequest], xp=np) -> None:
+    """Add each row's logit_bias, then apply its penalties, in place on ``logits`` (N, V).
+
+    Works sparsely: the (row, token) pairs concerned are gathered on the host from
+    the requests' token lists (``np.unique`` per row: a few thousand ids at most,
+    against a vocabulary of tens of thousands), sent to the device once, and the
+    logits are read and written at those pairs only; rows that ask for nothing are
+    never touched. Each pair appears once per pass, so the fancy-index writes are exact.
+
+    Penalties follow vLLM's ``apply_penalties``: for tokens in the prompt or the output
+    ``logit / r`` if the logit is > 0, else ``logit * r``; then, for tokens in the
+    output, ``- frequency * count - presence``.
+    """
+    bias_rows, bias_ids, bias_values = [], [], []
+    rep_rows, rep_ids, rep_values = [], [], []
+    out_rows, out_ids, out_values = [], [], []
+    for i, req in enumerate(requests):
+        p = req.params
+        if p.logit_bias:
+            bias_rows.append(np.full(len(p.logit_bias), i, dtype=np.int64))
+            bias_ids.append(np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias)))
+            bias_values.append(np.fromiter(p.logit_bias.values(), dtype=np.float64, count=len(p.logit_bias)))
+        if not p.has_penalties:
+            continue
+        output_ids, counts = np.unique(np.asarray(req.output_token_ids, dtype=np.int64), return_counts=True)
+        if p.repetition_penalty != 1.0:
+            seen = np.union1d(np.asarray(req.prompt_token_ids, dtype=np.int64), output_ids)  # (S,) sorted
+            rep_rows.append(np.full(seen.shape[0], i, dtype=np.int64))
+            rep_ids.append(seen)
+            rep_values.append(np.full(seen.shape[0], p.repetition_penalty))
+        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and output_ids.shape[0]:
+            out_rows.append(np.full(output_ids.shape[0], i, dtype=np.int64))
+            out_ids.append(output_ids)
+            out_values.append(p.frequency_penalty * counts + p.presence_penalty)   # (U,) subtracted
+
+    def on_device(parts, dtype):
+        return xp.asarray(np.concatenate(parts).astype(dtype, copy=False))
+
+    dtype = logits.dtype
+    if bias_rows:
+        rows, ids = on_device(bias_rows, np.int64), on_device(bias_ids, np.int64)
+        logits[rows, ids] = logits[rows, ids] + on_device(bias_values, dtype)
+    if rep_rows:
+        rows, ids = on_device(rep_rows, np.int64), on_device(rep_ids, np.int64)
+        values, penalty = logits[rows, ids], on_device(rep_values, dtype)
+        logits[rows, ids] = xp.where(values > 0, values / penalty, values * penalty)
+    if out_rows:
+        rows, ids = on_device(out_rows, np.int64), on_device(out_ids, np.int64)
+        logits[rows, ids] = logits[rows, ids] - on_device(out_values, dtype)
+
+
+def top_logprobs(logprobs, k: int, token_ids, xp=np) -> list[dict[int, float]]:
+    """Rows (M, V) of log-probabilities -> per row {token id: logprob} of its k most likely
+    tokens, most likely first, then ``token_ids[row]`` (the sampled or prompt token) if it
+    is not among them: vLLM's shape for both ``logprobs`` and ``prompt_logprobs``."""
+    m = logprobs.shape[0]
+    k = min(k, logprobs.shape[-1])
+    chosen = to_host(logprobs[xp.arange(m), xp.asarray(token_ids, dtype=xp.int64)])     # (M,)
+    if k:
+        best = xp.argpartition(-logprobs, k - 1, axis=-1)[:, :k]                      # (M, k) unordered
+        best_host, values = to_host(best), to_host(logprobs[xp.arange(m)[:, None], best])  # (M, k) each
+    results = []
+    for row in range(m):
+        top = {}
+        if k:
+            order = np.argsort(-values[row], kind="stable")
+            top = {int(best_host[row, j]): float(values[row, j]) for j in order}
+        top[int(token_ids[row])] = float(chosen[row])
+        results.append(top)
+    return results
+
+
 class Sampler:
     """Samples where the logits are (numpy on the CPU, cupy on a GPU); only token ids and
     their log-probabilities (a few numbers a row) come back to the host."""
@@ -78,6 +158,8 @@ class Sampler:
         for i, req in enumerate(requests):
             if req.banned_token_ids:
                 logits[i, req.banned_token_ids] = -xp.inf
+        if any(r.params.logit_bias or r.params.has_penalties for r in requests):
+            adjust_logits(logits, requests, xp)        # touches only the rows that ask
         greedy_tokens = to_host(logits.argmax(axis=-1))  # (N,) used by temperature-0 rows
         tokens = []
         for i, req in enumerate(requests):
@@ -99,11 +181,22 @@ class Sampler:
         for i, req in enumerate(requests):
             top = None
             if req.params.logprobs is not None:
-                row = logprobs[i]
-                k = min(req.params.logprobs, row.shape[0])
-                best = to_host(xp.argpartition(-row, k - 1)[:k]) if k else np.array([], dtype=np.int64)
-                values = to_host(row[xp.asarray(best)]) if k else np.array([])
-                top = {int(t): float(v) for t, v in sorted(zip(best, values), key=lambda tv: -tv[1])}
-                top[tokens[i]] = float(token_logprobs[i])
+                top = top_logprobs(logprobs[i:i + 1], req.params.logprobs, tokens[i:i + 1], xp)[0]
             results.append(SampleResult(tokens[i], float(token_logprobs[i]), top))
+        return results
+
+    def prompt_logprobs(self, logits, token_ids: np.ndarray, k: int,
+                        rows_per_pass: int = 256) -> list[dict[int, float]]:
+        """logits (M, V) at M prompt positions, token_ids (M,) the prompt token each one
+        predicts -> per position {token id: logprob} (the top k, then the prompt token).
+
+        The model's own log-probabilities, as for sampled tokens. Rows go ``rows_per_pass``
+        at a time, so the float32 temporaries of a long prompt chunk stay a few hundred MB
+        at most whatever the chunk's length.
+        """
+        xp = self.xp
+        results = []
+        for start in range(0, logits.shape[0], rows_per_pass):
+            part = log_softmax(logits[start:start + rows_per_pass].astype(xp.float32), xp)  # (m, V)
+            results += top_logprobs(part, k, token_ids[start:start + rows_per_pass], xp)
         return results

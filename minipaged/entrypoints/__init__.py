@@ -6,6 +6,7 @@
     chat.py   the interactive chat loop: streams each answer, trims old turns to fit
     api_server.py       ``serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn), the system-call gate
     openai_protocol.py  OpenAI's request shapes (pydantic) and the SamplingParams they become
+    prometheus.py       ``GET /metrics``: the engine's counters under vLLM's Prometheus names
 
 The Python API's front door is ``minipaged.LLM`` (engine/llm.py). Entry points call the
 engine and the tools below them; nothing below imports them.

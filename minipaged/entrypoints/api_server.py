@@ -91,6 +91,9 @@ class OpenAIServer:
         self.model_name = served_model_name
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        # what the model's generation_config.json recommends, for fields a request leaves unset
+        self.generation_defaults = dict(getattr(engine.engine, "generation_defaults", {}) or {})
+        self.default_max_tokens = self.generation_defaults.pop("max_tokens", None)
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ checks
@@ -99,16 +102,12 @@ class OpenAIServer:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            "NotFoundError", "model", "model_not_found")
 
-    @staticmethod
-    def check_supported(request: SamplingFields) -> None:
-        unsupported = request.unsupported()
-        if unsupported is not None:
-            name, value = unsupported
-            raise APIError(400, f"{name}={value!r} is not supported by this server yet", param=name)
-
-    def sampling_params(self, request: SamplingFields, max_tokens: int, logprobs: int | None):
+    def sampling_params(self, request: SamplingFields, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None):
         try:
-            return request.sampling_params(max_tokens, logprobs)
+            if prompt_logprobs is not None:          # echo with logprobs asks for the prompt's too
+                request = request.model_copy(update={"prompt_logprobs": prompt_logprobs})
+            return request.sampling_params(max_tokens, logprobs, self.generation_defaults)
         except (ValueError, TypeError) as err:
             raise APIError(400, str(err), param=field_of(str(err), type(request).model_fields)) from None
 
@@ -125,8 +124,10 @@ class OpenAIServer:
                 raise APIError(503, str(err), "ServiceUnavailableError", None, "queue_full") from None
             if isinstance(err, RequestError):
                 message = str(err)
-                param = "prompt" if ("prompt" in message or "token id" in message) else field_of(
-                    message, ("max_tokens", "stop_token_ids", "logprobs", "n"))
+                param = field_of(message, ("logit_bias", "stop_token_ids", "prompt_logprobs", "logprobs",
+                                           "max_tokens", "n=")) or ("prompt" if "prompt" in message
+                                                                   or "token id" in message else None)
+                param = "n" if param == "n=" else param
                 raise APIError(400, message, param=param) from None
             if isinstance(err, (ValueError, TypeError)):
                 raise APIError(400, str(err)) from None
@@ -142,15 +143,13 @@ class OpenAIServer:
     # ------------------------------------------------------------------ /v1/completions
     async def completions(self, request: CompletionRequest, raw: Request):
         self.check_model(request.model)
-        self.check_supported(request)
         prompts = request.prompts()
         if not prompts:
             raise APIError(400, "prompt is empty: give a string, a list of strings or token ids", param="prompt")
-        if request.echo and request.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs the prompt's log-probabilities, which this server "
-                                "does not compute yet", param="echo")
-        params = self.sampling_params(request, request.max_tokens if request.max_tokens is not None
-                                      else self.max_model_len, request.logprobs)
+        asked = request.max_tokens if "max_tokens" in request.model_fields_set else self.default_max_tokens
+        params = self.sampling_params(request, asked if asked is not None else (request.max_tokens or self.max_model_len),
+                                      request.logprobs,
+                                      request.logprobs if request.echo and request.logprobs is not None else None)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.open_streams(prompts, params, request_id)
         if request.stream:
@@ -161,10 +160,16 @@ class OpenAIServer:
             prompt_text = self.prompt_text(out) if request.echo else ""
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self.completion_logprobs(c.token_ids, c.logprobs, len(prompt_text), request.logprobs)
+                    if request.echo:
+                        logprobs = merge_logprobs(self.completion_logprobs(
+                            out.prompt_token_ids, out.prompt_logprobs, 0, request.logprobs), logprobs)
                 choices.append({"index": p * request.n + c.index, "text": prompt_text + c.text,
-                                "logprobs": self.completion_logprobs(c.token_ids, c.logprobs, len(prompt_text), request.logprobs)
-                                if request.logprobs is not None else None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                                "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason,
+                                "prompt_logprobs": self.vllm_prompt_logprobs(out) if c.index == 0 else None})
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
@@ -188,9 +193,12 @@ class OpenAIServer:
                 prompt_tokens += len(out.prompt_token_ids)
                 if request.echo:
                     text = self.prompt_text(out)
+                    echo_logprobs = (self.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0,
+                                                              request.logprobs)
+                                     if request.logprobs is not None else None)
                     for i in range(request.n):
                         offsets[p * request.n + i] = len(text)
-                        yield chunk(p * request.n + i, text)
+                        yield chunk(p * request.n + i, text, logprobs=echo_logprobs)
             for c in out.outputs:
                 index = p * request.n + c.index
                 completion_tokens += len(c.token_ids)
@@ -203,6 +211,14 @@ class OpenAIServer:
             yield {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
                    "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
+    def vllm_prompt_logprobs(self, out: RequestOutput) -> list | None:
+        """vLLM's shape: per prompt token None (the first) or {token id: {logprob, decoded_token}}."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if top is None else {str(t): {"logprob": lp, "decoded_token": self.tokenizer.decode([t])}
+                                          for t, lp in top.items()}
+                for top in out.prompt_logprobs]
+
     def prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
 
@@ -213,9 +229,13 @@ class OpenAIServer:
         for token, top_k in zip(token_ids, logprobs or []):
             text = self.tokenizer.decode([token])
             tokens.append(text)
-            token_logprobs.append(top_k.get(token))
-            best = sorted(top_k.items(), key=lambda kv: -kv[1])[:top_n]
-            top.append({self.tokenizer.decode([t]): lp for t, lp in best})
+            if top_k is None:                    # the first prompt token: nothing before it
+                token_logprobs.append(None)
+                top.append(None)
+            else:
+                token_logprobs.append(top_k.get(token))
+                best = sorted(top_k.items(), key=lambda kv: -kv[1])[:top_n]
+                top.append({self.tokenizer.decode([t]): lp for t, lp in best})
             offsets.append(text_offset)
             text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -223,7 +243,6 @@ class OpenAIServer:
     # ------------------------------------------------------------------ /v1/chat/completions
     async def chat_completions(self, request: ChatCompletionRequest, raw: Request):
         self.check_model(request.model)
-        self.check_supported(request)
         try:
             text = self.tokenizer.apply_chat_template(request.conversation(),
                                                       add_generation_prompt=request.add_generation_prompt)
@@ -231,6 +250,8 @@ class OpenAIServer:
             raise APIError(400, f"messages: {err}", param="messages") from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)   # the template wrote them as text
         asked = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if asked is None:
+            asked = self.default_max_tokens
         params = self.sampling_params(request, self.max_tokens_for(asked, len(ids)), request.top_logprobs_asked())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.open_streams([{"prompt_token_ids": ids}], params, request_id)
@@ -243,6 +264,7 @@ class OpenAIServer:
                    for c in out.outputs]
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
+                "prompt_logprobs": self.vllm_prompt_logprobs(out),
                 "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
 
     async def chat_chunks(self, request: ChatCompletionRequest, stream, request_id: str) -> AsyncIterator[dict]:
@@ -394,6 +416,11 @@ async def merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
             task.cancel()
         for stream in streams:
             await stream.aclose()
+
+
+def merge_logprobs(first: dict, second: dict) -> dict:
+    """Two legacy logprobs objects one after the other (echo: the prompt's, then the completion's)."""
+    return {key: first[key] + second[key] for key in first}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

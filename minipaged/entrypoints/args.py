@@ -86,18 +86,60 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float,
-                       top_p: float) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer")
-    g.add_argument("--temperature", type=float, default=temperature, help="0 means greedy")
-    g.add_argument("--top-p", type=float, default=top_p, help="nucleus sampling mass (1 = off)")
-    g.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely (-1 = off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+                       top_p: float, repetition_penalty: float = 1.0, model_defaults: bool = False) -> None:
+    """Sampling flags with vLLM's names. Their argparse default is None (= not given), so
+    ``sampling_params`` can tell a flag the user passed from one the command fills in; the
+    command's own defaults travel in ``args.sampling_defaults``. ``model_defaults``: the
+    command fills in the model's generation_config.json values first (chat), and says so."""
+    defaults = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=-1, min_p=0.0,
+                    presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=repetition_penalty)
+    p.set_defaults(sampling_defaults=defaults)
+    note = ("a flag not given takes the value the model's generation_config.json recommends, if it sets "
+            "one, else the default shown" if model_defaults else None)
+    g = p.add_argument_group("sampling", description=note)
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help=f"most new tokens per answer (default {max_tokens})")
+    g.add_argument("--temperature", type=float, default=None, help=f"0 means greedy (default {temperature:g})")
+    g.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass (1 = off; default {top_p:g})")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely (-1 = off, the default)")
+    g.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens below min_p x the top probability (default 0)")
+    g.add_argument("--presence-penalty", type=float, default=None,
+                   help="subtract this from the logit of every token already generated, in [-2, 2] (default 0)")
+    g.add_argument("--frequency-penalty", type=float, default=None,
+                   help="subtract this times the token's count so far in the output, in [-2, 2] (default 0)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 1 discourages tokens already in the prompt or output, < 1 favours them "
+                        f"(1 = off; default {repetition_penalty:g})")
     g.add_argument("--sampling-seed", type=int, default=None, help="seed of each request's sampler")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
 
 
-def sampling_params(args: argparse.Namespace, **extra) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
-                          ignore_eos=args.ignore_eos, **extra)
+def sampling_values(args: argparse.Namespace, model_defaults: dict | None = None) -> tuple[dict, dict]:
+    """Each sampling flag's value: the user's flag, else the model's recommendation
+    (``model_defaults``: LLMEngine.generation_defaults, from generation_config.json), else the
+    command's own default. Returns (all values, those that came from the model)."""
+    values, from_model = {}, {}
+    for name, builtin in args.sampling_defaults.items():
+        given = getattr(args, name)
+        if given is not None:
+            values[name] = given
+        elif model_defaults and name in model_defaults:
+            values[name] = from_model[name] = model_defaults[name]
+        else:
+            values[name] = builtin
+    return values, from_model
+
+
+def sampling_params(args: argparse.Namespace, model_defaults: dict | None = None, **extra) -> SamplingParams:
+    """The request's SamplingParams (see sampling_values for where each value comes from).
+    A value from the model's generation_config.json that SamplingParams refuses is named as such."""
+    values, from_model = sampling_values(args, model_defaults)
+    try:
+        return SamplingParams(**values, seed=args.sampling_seed, ignore_eos=args.ignore_eos, **extra)
+    except ValueError as err:
+        blamed = [name for name in from_model if str(err).startswith(f"invalid SamplingParams: {name} ")]
+        if not blamed:
+            raise
+        raise ValueError(f"{err} (the model's generation_config.json set {blamed[0]}={from_model[blamed[0]]!r}; "
+                         "pass the flag to override it)") from None

@@ -31,9 +31,12 @@ def format_stats(stats: dict) -> str:
 class ChatSession:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        # The sampling flags are checked before the (slow) load, as the engine flags are.
+        # The sampling flags are checked before the (slow) load, as the engine flags are;
+        # then every flag not given takes the model's recommendation (generation_config.json)
+        # if it has one, else chat's own default (docs/configuration.md, "chat").
         self.params = sampling_params(args, output_kind=OutputKind.DELTA)
         self.engine = LLMEngine(**engine_kwargs(args))
+        self.params = sampling_params(args, self.engine.generation_defaults, output_kind=OutputKind.DELTA)
         self.messages: list[dict] = []
         self.interactive = sys.stdin.isatty()
         self._ids = itertools.count()

@@ -15,7 +15,7 @@ import sys
 from ..model.errors import ModelFetchError, ModelFormatError
 from ..model.fetch import DEFAULT_MODEL, KNOWN_MODELS
 from ..sampling_params import OutputKind
-from .args import add_engine_flags, add_sampling_flags, engine_kwargs, sampling_params
+from .args import add_engine_flags, add_sampling_flags, engine_kwargs, sampling_params, sampling_values
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minipaged",
@@ -27,7 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "Ctrl-C stops the current answer, Ctrl-D or /exit quits.")
     # each turn resubmits the whole conversation: the cache makes it prefill only the new part
     add_engine_flags(chat, log_stats_interval=0.0, prefix_caching=True)
-    add_sampling_flags(chat, max_tokens=512, temperature=0.2, top_p=0.9)
+    # repetition_penalty 1.1 unless the model's generation_config.json says otherwise: without it
+    # SmolLM2 loops ("A memory's light, a memory's light, ...") in most answers of 300 tokens
+    # (measured in docs/configuration.md, "chat")
+    add_sampling_flags(chat, max_tokens=512, temperature=0.2, top_p=0.9, repetition_penalty=1.1,
+                       model_defaults=True)
     chat.add_argument("--system", default=None, help="a system prompt (else the template's default)")
     chat.add_argument("--show-blocks", action="store_true",
                       help="print the KV pool (and what the prefix cache keeps) after every answer")
@@ -112,7 +116,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.show_blocks and args.beam_width is not None:
         raise ValueError("--show-blocks steps the engine by hand; use it without --beam-width")
     if args.beam_width is not None:
-        beam_params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
+        max_tokens = sampling_values(args)[0]["max_tokens"]
+        beam_params = BeamSearchParams(beam_width=args.beam_width, max_tokens=max_tokens,
                                        ignore_eos=args.ignore_eos, length_penalty=args.length_penalty)
     else:
         params = sampling_params(args, n=args.n)

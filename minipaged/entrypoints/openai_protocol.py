@@ -9,7 +9,7 @@ Field names, defaults and meanings follow OpenAI's API reference, and vLLM's
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -50,25 +50,39 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
-    def unsupported(self) -> tuple[str, object] | None:
-        """A field set to something this engine cannot do yet (refused with a 400)."""
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                              ("repetition_penalty", 1.0)):
-            if getattr(self, name) != neutral:
-                return name, getattr(self, name)
-        if self.logit_bias:
-            return "logit_bias", self.logit_bias
-        return None
+    prompt_logprobs: Union[int, None] = None          # vLLM's: log-probabilities of the prompt tokens
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    # Sampling fields the model's generation_config.json may recommend; a request that does
+    # not set one gets the recommendation (vLLM's --generation-config auto), else OpenAI's default.
+    GENERATION_KEYS: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        generation_defaults: dict | None = None) -> SamplingParams:
         """The engine's SamplingParams; a bad value raises ValueError naming the field."""
+        chosen = {name: getattr(self, name) for name in self.GENERATION_KEYS}
+        for name, value in (generation_defaults or {}).items():
+            if name in chosen and name not in self.model_fields_set:
+                chosen[name] = value
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            n=self.n, **chosen, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias=self.token_logit_bias(), prompt_logprobs=self.prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             output_kind=OutputKind.DELTA if self.stream else OutputKind.FINAL_ONLY)
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias has token ids as JSON strings ("50256": -100); the engine's, ints."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        return bias
 
     @property
     def include_usage(self) -> bool:

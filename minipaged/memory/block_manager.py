@@ -102,12 +102,21 @@ class BlockManager:
         if group.in_prompt_phase():
             seqs = seqs[:1]   # the samples will share one copy of the prompt
         # cached blocks already held by someone cost nothing more
-        needed = sum(blocks_for(s.num_tokens, self.block_size) - self._cached_in_use(s) for s in seqs)
+        hits = self._takes_cache_hits(group)
+        needed = sum(blocks_for(s.num_tokens, self.block_size) - (self._cached_in_use(s) if hits else 0)
+                     for s in seqs)
         if needed > self.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         if self.num_free_blocks - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
+
+    @staticmethod
+    def _takes_cache_hits(group: SequenceGroup) -> bool:
+        """A request that asked for prompt_logprobs needs logits at every prompt position,
+        and a cached block brings its K/V but no logits: it computes its whole prompt (as
+        vLLM V1 does). The blocks it fills are still named, for others to hit."""
+        return group.sampling_params.prompt_logprobs is None
 
     def _cache_hits(self, seq: Sequence) -> list[tuple[int, int]]:
         """(block, name) of each block of the longest cached prefix of the sequence's tokens.
@@ -141,10 +150,11 @@ class BlockManager:
         """
         seqs = group.unfinished_seqs()
         share = group.in_prompt_phase()
+        use_cache = self.cache is not None and self._takes_cache_hits(group)
         for seq in seqs[:1] if share else seqs:
             assert seq.seq_id not in self.tables, f"sequence {seq.seq_id} is already allocated"
             table = self.tables[seq.seq_id] = BlockTable(self.block_size)
-            hits = self._cache_hits(seq)
+            hits = self._cache_hits(seq) if use_cache else []
             for block, name in hits:
                 if self.allocator.ref_counts[block] == 0:
                     self.allocator.revive(block)
@@ -153,7 +163,7 @@ class BlockManager:
                 table.append_block(block)
                 table.fills[-1] = self.block_size
                 table.names.append(name)
-            if self.cache is not None:
+            if use_cache:
                 self.cache.queries += seq.num_tokens
                 self.cache.hits += len(hits) * self.block_size
                 seq.num_computed_tokens = len(hits) * self.block_size
