@@ -423,3 +423,25 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
     for i, token in enumerate(prompt[1:], start=1):
         assert lp.token_logprobs[i] == pytest.approx(want.prompt_logprobs[i][token], abs=1e-5)
     assert got.text.startswith(offline.get_tokenizer().decode(prompt))
+
+
+@pytest.mark.slow
+def test_smollm2_end_to_end_through_the_server():
+    """The real model behind the server: greedy chat and completions equal LLM offline, and the
+    answer to a question a 135M model knows."""
+    s = ServerProcess("smollm2-135m-instruct", "--max-model-len", "1024", "--enable-prefix-caching")
+    try:
+        client = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=300)
+        messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+        got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.0)
+        text = httpx.post(f"{s.url}/completions", timeout=300, json={
+            "model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.0}).json()
+    finally:
+        code, output = s.stop()
+    assert code == 0, output[-2000:]
+    offline = LLM("smollm2-135m-instruct", device="cpu", max_model_len=1024, num_blocks=256, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    assert got.choices[0].message.content == offline.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in got.choices[0].message.content
+    want = offline.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].text
+    assert text["choices"][0]["text"] == want and text["usage"]["completion_tokens"] == 8
