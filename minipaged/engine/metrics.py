@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 
-def _percentiles(values: list[float], prefix: str) -> dict:
+LATENCY_WINDOW = 10_000   # TTFT / TPOT statistics cover the latest this many requests
+
+
+def _percentiles(values, prefix: str) -> dict:
     if not values:
         return {f"{prefix}_mean": None, f"{prefix}_p50": None, f"{prefix}_p99": None}
     return {f"{prefix}_mean": float(np.mean(values)), f"{prefix}_p50": float(np.percentile(values, 50)),
@@ -24,8 +28,10 @@ class Metrics:
     prompt_tokens: int = 0        # prompt (and recomputed) tokens run through the model
     generation_tokens: int = 0    # tokens sampled
     start_time: float = field(default_factory=time.monotonic)
-    ttfts: list[float] = field(default_factory=list)  # per request: arrival -> first token (s)
-    tpots: list[float] = field(default_factory=list)  # per request: mean time per later token (s)
+    # Per request, the most recent LATENCY_WINDOW of them: a server runs for days, and every
+    # get_stats() (every /metrics scrape) takes percentiles over these.
+    ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))  # arrival -> first token (s)
+    tpots: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))  # mean time per later token (s)
     # what the last periodic log line had seen, to report rates since then
     _last_log: tuple[float, int, int] = (0.0, 0, 0)
 
