@@ -167,6 +167,10 @@ def test_tokenize_detokenize(server):
     ({"model": "nope", "prompt": "x"}, 404, "model"),
     ({"prompt": "x"}, 400, "model"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": 5}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),       # vLLM refuses, not caps
+    ({"model": MODEL, "prompt": [True, 2]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
 ])
@@ -180,7 +184,14 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
 def test_malformed_body_and_the_server_still_serves(server, client):
     r = httpx.post(f"{server.url}/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "error" in r.json()
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] is None
+    hi = [{"role": "user", "content": "hi"}]
+    for extra, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 10**4},
+                                                                "top_logprobs"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
+        r = httpx.post(f"{server.url}/chat/completions", json={"model": MODEL, "messages": hi, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
     r = httpx.post(f"{server.url}/chat/completions", json={"model": MODEL, "messages": [{"role": "user"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].finish_reason
@@ -272,14 +283,27 @@ def test_api_key_and_queue_limit(tiny_model_dir):
 
 
 def test_ctrl_c_aborts_requests_in_flight_and_exits_0(long_model_dir):
+    """One streaming and one plain request in flight at SIGINT: both are aborted (the plain one
+    gets a 503), nothing is held, the process exits 0 and logs no traceback."""
+    import threading
+
     s = ServerProcess(long_model_dir, *LONG_FLAGS)
+    plain = {}
+    thread = threading.Thread(target=lambda: plain.update(
+        r=httpx.post(f"{s.url}/completions", json=LONG_BODY, timeout=120)))
     with httpx.stream("POST", f"{s.url}/completions", json={**LONG_BODY, "stream": True}, timeout=60) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: {"))
-        assert httpx.get(f"{s.base}/stats").json()["kv_blocks_used"] > 0         # in flight
+        thread.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{s.base}/stats").json()["num_running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         code, output = s.stop(signal.SIGINT)
+    thread.join(timeout=60)
     assert code == 0, output[-2000:]
-    assert "aborted 1 request(s) in flight; KV blocks in use: 0" in output
+    assert "aborted 2 request(s) in flight; KV blocks in use: 0" in output
+    assert "Traceback" not in output, output[-3000:]
+    assert plain["r"].status_code == 503 and plain["r"].json()["error"]["type"] == "ServiceUnavailableError"
 
 
 def test_metrics_under_vllm_names(server, client):
@@ -445,3 +469,29 @@ def test_smollm2_end_to_end_through_the_server():
     assert "Paris" in got.choices[0].message.content
     want = offline.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].text
     assert text["choices"][0]["text"] == want and text["usage"]["completion_tokens"] == 8
+
+
+def test_a_client_that_stops_reading_then_hangs_up_is_aborted(tiny_model_dir):
+    """The server blocks writing to a client whose socket buffer is full (250 samples with
+    logprobs: hundreds of KB a step); when that client hangs up, its request must still be
+    aborted at once (and its output queue dropped), not run to max_tokens."""
+    import socket
+
+    s = ServerProcess(tiny_model_dir, "--num-blocks", "8000", "--block-size", "16")
+    try:
+        host, port = s.base.removeprefix("http://").split(":")
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True,
+                           "n": 250, "logprobs": 20}).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(2)                                    # read nothing: the server's writes back up
+        assert httpx.get(f"{s.base}/stats").json()["kv_blocks_used"] > 0
+        sock.close()
+        assert kv_blocks_used(s) == 0
+        assert httpx.get(f"{s.base}/stats").json()["generation_tokens"] < 250 * 400   # it did not run to the end
+    finally:
+        code, output = s.stop()
+    assert code == 0 and "aborted 0 request(s) in flight" in output, output[-2000:]

@@ -66,13 +66,14 @@ class AsyncLLMEngine:
         return cls(LLMEngine(**engine_kwargs), max_queued_requests=max_queued_requests)
 
     # ------------------------------------------------------------------ callers
-    async def add_request(self, request_id: str, prompt,
-                          params: SamplingParams | BeamSearchParams | None) -> "RequestStream":
+    async def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams | None,
+                          strict_max_tokens: bool = False) -> "RequestStream":
         """Validate and queue a request; returns the stream its outputs arrive on.
 
         Bad input raises here (``RequestError``, a ``ValueError``), before anything is
         queued; a full queue raises ``QueueFullError``. What each output holds follows
-        ``params.output_kind`` (cumulative, delta or final only).
+        ``params.output_kind`` (cumulative, delta or final only). With ``strict_max_tokens`` a
+        prompt + max_tokens beyond max_model_len is refused (vLLM's server) instead of capped.
         """
         request_id = str(request_id)
         self._start()
@@ -87,6 +88,12 @@ class AsyncLLMEngine:
             None, self._make_group, request_id, prompt, params)
         if request_id in self._queues:    # the same id arrived while this one was tokenized
             raise RequestError(f"request id {request_id!r} is already in use")
+        asked = getattr(params, "max_tokens", None)
+        prompt_len = len(group.prompt_token_ids)
+        limit = self.engine.max_model_len
+        if strict_max_tokens and asked is not None and prompt_len + asked > limit:
+            raise RequestError(f"this model's maximum context length is {limit} tokens, but {prompt_len + asked} "
+                               f"were asked for ({prompt_len} in the prompt, max_tokens {asked}); lower max_tokens")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         if group.sampling_params.output_kind == OutputKind.DELTA:
@@ -292,6 +299,7 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             await self.engine.abort(self.request_id)
+        self.engine._queues.pop(self.request_id, None)   # a finished one unread: drop its outputs
 
 
 class QueueFullError(RuntimeError):

@@ -25,6 +25,7 @@ import contextlib
 import importlib.metadata
 import json
 import logging
+import re
 import signal
 import time
 import uuid
@@ -78,7 +79,7 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
 def field_of(message: str, fields) -> str | None:
     """The request field an engine error message names, if any (for the error's ``param``)."""
     for name in sorted(fields, key=len, reverse=True):
-        if name in message:
+        if re.search(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])", message):
             return name
     return None
 
@@ -102,6 +103,16 @@ class OpenAIServer:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            "NotFoundError", "model", "model_not_found")
 
+    @staticmethod
+    def check_fields(request: SamplingFields) -> None:
+        """Fields that would change the answer's meaning but that this server does not do: a 400,
+        not an answer to another question."""
+        for name in ("suffix", "tools", "tool_choice", "response_format", "functions"):
+            if getattr(request, name, None) not in (None, "none"):
+                raise APIError(400, f"{name} is not supported by this server", param=name)
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options can only be given with stream=true", param="stream_options")
+
     def sampling_params(self, request: SamplingFields, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None):
         try:
@@ -111,12 +122,20 @@ class OpenAIServer:
         except (ValueError, TypeError) as err:
             raise APIError(400, str(err), param=field_of(str(err), type(request).model_fields)) from None
 
-    async def open_streams(self, prompts: list, params, request_id: str) -> list:
-        """Queue every prompt (one engine request each); a refusal aborts those already queued."""
+    async def open_streams(self, prompts: list, params, request_id: str, strict_max_tokens: bool,
+                           rename: dict | None = None) -> list:
+        """Queue every prompt (one engine request each); a refusal aborts those already queued.
+
+        ``strict_max_tokens``: the client asked for max_tokens explicitly, so a prompt + max_tokens
+        beyond max_model_len is a 400, as vLLM's server answers (the library caps it instead).
+        ``rename`` maps an engine field to the request's name for it (logprobs -> top_logprobs).
+        """
         streams = []
+        rename = rename or {}
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params))
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params,
+                                                             strict_max_tokens=strict_max_tokens))
         except BaseException as err:
             for stream in streams:
                 await stream.aclose()
@@ -125,10 +144,9 @@ class OpenAIServer:
             if isinstance(err, RequestError):
                 message = str(err)
                 param = field_of(message, ("logit_bias", "stop_token_ids", "prompt_logprobs", "logprobs",
-                                           "max_tokens", "n=")) or ("prompt" if "prompt" in message
+                                           "max_tokens", "n")) or ("prompt" if "prompt" in message
                                                                    or "token id" in message else None)
-                param = "n" if param == "n=" else param
-                raise APIError(400, message, param=param) from None
+                raise APIError(400, message, param=rename.get(param, param)) from None
             if isinstance(err, (ValueError, TypeError)):
                 raise APIError(400, str(err)) from None
             raise
@@ -143,6 +161,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ /v1/completions
     async def completions(self, request: CompletionRequest, raw: Request):
         self.check_model(request.model)
+        self.check_fields(request)
         prompts = request.prompts()
         if not prompts:
             raise APIError(400, "prompt is empty: give a string, a list of strings or token ids", param="prompt")
@@ -151,7 +170,8 @@ class OpenAIServer:
                                       request.logprobs,
                                       request.logprobs if request.echo and request.logprobs is not None else None)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.open_streams(prompts, params, request_id)
+        streams = await self.open_streams(prompts, params, request_id,
+                                          strict_max_tokens=request.max_tokens is not None)
         if request.stream:
             return self.sse(self.completion_chunks(request, streams, request_id))
         outputs = await self.collect(streams, raw)
@@ -179,37 +199,42 @@ class OpenAIServer:
                                 request_id: str) -> AsyncIterator[dict]:
         created = int(time.time())
         prompt_tokens, completion_tokens = 0, 0
+        with_usage = {"usage": None} if request.include_usage else {}   # OpenAI: null until the last chunk
 
         def chunk(index: int, text: str, finish_reason=None, logprobs=None, stop_reason=None) -> dict:
             return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
                     "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                 "finish_reason": finish_reason, "stop_reason": stop_reason}]}
+                                 "finish_reason": finish_reason, "stop_reason": stop_reason}], **with_usage}
 
-        echoed: set[int] = set()
-        offsets: dict[int, int] = {}
-        async for p, out in merged(streams):
-            if p not in echoed:
-                echoed.add(p)
-                prompt_tokens += len(out.prompt_token_ids)
-                if request.echo:
-                    text = self.prompt_text(out)
-                    echo_logprobs = (self.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0,
-                                                              request.logprobs)
-                                     if request.logprobs is not None else None)
-                    for i in range(request.n):
-                        offsets[p * request.n + i] = len(text)
-                        yield chunk(p * request.n + i, text, logprobs=echo_logprobs)
-            for c in out.outputs:
-                index = p * request.n + c.index
-                completion_tokens += len(c.token_ids)
-                if c.text or c.finish_reason or (c.token_ids and request.logprobs is not None):
-                    logprobs = (self.completion_logprobs(c.token_ids, c.logprobs, offsets.get(index, 0), request.logprobs)
-                                if request.logprobs is not None else None)
-                    offsets[index] = offsets.get(index, 0) + len(c.text)
-                    yield chunk(index, c.text, c.finish_reason, logprobs, c.stop_reason)
-        if request.include_usage:
-            yield {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
-                   "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        try:
+            echoed: set[int] = set()
+            offsets: dict[int, int] = {}
+            async for p, out in merged(streams):
+                if p not in echoed:
+                    echoed.add(p)
+                    prompt_tokens += len(out.prompt_token_ids)
+                    if request.echo:
+                        text = self.prompt_text(out)
+                        echo_logprobs = (self.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0,
+                                                                  request.logprobs)
+                                         if request.logprobs is not None else None)
+                        for i in range(request.n):
+                            offsets[p * request.n + i] = len(text)
+                            yield chunk(p * request.n + i, text, logprobs=echo_logprobs)
+                for c in out.outputs:
+                    index = p * request.n + c.index
+                    completion_tokens += len(c.token_ids)
+                    if c.text or c.finish_reason or (c.token_ids and request.logprobs is not None):
+                        logprobs = (self.completion_logprobs(c.token_ids, c.logprobs, offsets.get(index, 0), request.logprobs)
+                                    if request.logprobs is not None else None)
+                        offsets[index] = offsets.get(index, 0) + len(c.text)
+                        yield chunk(index, c.text, c.finish_reason, logprobs, c.stop_reason)
+            if request.include_usage:
+                yield {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
+                       "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        finally:
+            for stream in streams:      # closed early (a client gone while we wrote): abort
+                await stream.aclose()
 
     def vllm_prompt_logprobs(self, out: RequestOutput) -> list | None:
         """vLLM's shape: per prompt token None (the first) or {token id: {logprob, decoded_token}}."""
@@ -234,8 +259,9 @@ class OpenAIServer:
                 top.append(None)
             else:
                 token_logprobs.append(top_k.get(token))
-                best = sorted(top_k.items(), key=lambda kv: -kv[1])[:top_n]
-                top.append({self.tokenizer.decode([t]): lp for t, lp in best})
+                best = dict(sorted(top_k.items(), key=lambda kv: -kv[1])[:top_n])
+                best.setdefault(token, top_k.get(token))      # the sampled token is always there (vLLM's)
+                top.append({self.tokenizer.decode([t]): lp for t, lp in best.items()})
             offsets.append(text_offset)
             text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -243,18 +269,21 @@ class OpenAIServer:
     # ------------------------------------------------------------------ /v1/chat/completions
     async def chat_completions(self, request: ChatCompletionRequest, raw: Request):
         self.check_model(request.model)
-        try:
-            text = self.tokenizer.apply_chat_template(request.conversation(),
-                                                      add_generation_prompt=request.add_generation_prompt)
+        self.check_fields(request)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        try:   # rendering and tokenizing a long conversation takes a while: off the event loop
+            ids = await asyncio.get_running_loop().run_in_executor(None, self.chat_prompt_ids, request)
         except (ValueError, TypeError) as err:
             raise APIError(400, f"messages: {err}", param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)   # the template wrote them as text
         asked = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        asked_explicitly = asked is not None
         if asked is None:
             asked = self.default_max_tokens
         params = self.sampling_params(request, self.max_tokens_for(asked, len(ids)), request.top_logprobs_asked())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.open_streams([{"prompt_token_ids": ids}], params, request_id)
+        streams = await self.open_streams([{"prompt_token_ids": ids}], params, request_id,
+                                          strict_max_tokens=asked_explicitly, rename={"logprobs": "top_logprobs"})
         if request.stream:
             return self.sse(self.chat_chunks(request, streams[0], request_id))
         out = (await self.collect(streams, raw))[0]
@@ -267,30 +296,40 @@ class OpenAIServer:
                 "prompt_logprobs": self.vllm_prompt_logprobs(out),
                 "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
 
+    def chat_prompt_ids(self, request: ChatCompletionRequest) -> list[int]:
+        text = self.tokenizer.apply_chat_template(request.conversation(),
+                                                  add_generation_prompt=request.add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)   # the template wrote them as text
+
     async def chat_chunks(self, request: ChatCompletionRequest, stream, request_id: str) -> AsyncIterator[dict]:
         created = int(time.time())
+        with_usage = {"usage": None} if request.include_usage else {}   # OpenAI: null until the last chunk
 
-        def chunk(index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
+        def chunk(index: int, delta: dict, finish_reason=None, logprobs=None, stop_reason=None) -> dict:
             return {"id": request_id, "object": "chat.completion.chunk", "created": created,
                     "model": self.model_name,
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                 "finish_reason": finish_reason}]}
+                                 "finish_reason": finish_reason, "stop_reason": stop_reason}], **with_usage}
 
-        for i in range(request.n):                   # the role first, as OpenAI sends it
-            yield chunk(i, {"role": "assistant", "content": ""})
-        prompt_tokens, completion_tokens = 0, 0
-        async for out in stream:
-            prompt_tokens = len(out.prompt_token_ids)
-            for c in out.outputs:
-                completion_tokens += len(c.token_ids)
-                logprobs = self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0) if request.logprobs else None
-                if c.text or (c.token_ids and request.logprobs):   # text held back (a partial
-                    yield chunk(c.index, {"content": c.text}, None, logprobs)  # character) waits
-                if c.finish_reason:
-                    yield chunk(c.index, {}, c.finish_reason)
-        if request.include_usage:
-            yield {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                   "model": self.model_name, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        try:
+            for i in range(request.n):                   # the role first, as OpenAI sends it
+                yield chunk(i, {"role": "assistant", "content": ""})
+            prompt_tokens, completion_tokens = 0, 0
+            async for out in stream:
+                prompt_tokens = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    logprobs = (self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0)
+                                if request.logprobs else None)
+                    if c.text or (c.token_ids and request.logprobs):   # text held back (a partial
+                        yield chunk(c.index, {"content": c.text}, None, logprobs)  # character) waits
+                    if c.finish_reason:
+                        yield chunk(c.index, {}, c.finish_reason, None, c.stop_reason)
+            if request.include_usage:
+                yield {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                       "model": self.model_name, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        finally:
+            await stream.aclose()       # closed early (a client gone while we wrote): abort it
 
     def chat_logprobs(self, token_ids: list[int], logprobs, top_n: int) -> dict:
         """The chat shape: per token its text, logprob and UTF-8 bytes, and the ``top_n`` most
@@ -363,8 +402,9 @@ class OpenAIServer:
         cancels the generator, whose streams then abort their requests."""
         async def events():
             try:
-                async for c in chunks:
-                    yield f"data: {json.dumps(c)}\n\n"
+                async with contextlib.aclosing(chunks) as inner:   # closing us closes them
+                    async for c in inner:
+                        yield f"data: {json.dumps(c)}\n\n"
             except (RequestAbortedError, EngineDeadError) as err:
                 yield f"data: {json.dumps(error_body(str(err), 'ServiceUnavailableError', None, '503'))}\n\n"
             yield "data: [DONE]\n\n"
@@ -386,8 +426,11 @@ async def wait_for_disconnect(request: Request) -> None:
 async def merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(index, output) from several streams as they arrive."""
     if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -457,9 +500,12 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, err: RequestValidationError):
         problems = err.errors()
+        if any(e.get("type") == "json_invalid" for e in problems):
+            return APIError(400, f"the request body is not valid JSON ({problems[0].get('ctx', {}).get('error', '')})"
+                            .replace(" ()", ""), param=None).response()
         first = problems[0] if problems else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
+        param = loc[0] if loc else None          # the request's field (pydantic adds union branches)
         message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                             for e in problems[:5])
         return APIError(400, message or "malformed request body", param=param).response()
@@ -468,6 +514,11 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def http_error(_: Request, err: StarletteHTTPException):
         return APIError(err.status_code, str(err.detail), "NotFoundError" if err.status_code == 404
                         else "invalid_request_error").response()
+
+    @app.exception_handler(RequestAbortedError)
+    @app.exception_handler(EngineDeadError)
+    async def unavailable(_: Request, err: Exception):      # a shutdown, not a bug: no traceback
+        return APIError(503, str(err), "ServiceUnavailableError").response()
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, __: ClientGone):
@@ -526,11 +577,11 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
-        return server.tokenize(request)
+        return await asyncio.get_running_loop().run_in_executor(None, server.tokenize, request)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest):
-        return server.detokenize(request)
+        return await asyncio.get_running_loop().run_in_executor(None, server.detokenize, request)
 
     return app
 

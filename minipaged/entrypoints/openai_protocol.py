@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ..sampling_params import OutputKind, SamplingParams
 
@@ -92,7 +92,8 @@ class SamplingFields(OpenAIModel):
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: a prompt (or several) to continue."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]   # a bool is not a token id
+    suffix: Union[str, None] = None            # refused (no fill-in-the-middle here)
     max_tokens: Union[int, None] = 16
     logprobs: Union[int, None] = None          # top log-probabilities per token (OpenAI allows <= 5)
     echo: bool = False                         # put the prompt in front of the completion
@@ -131,6 +132,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Union[int, None] = None
     add_generation_prompt: bool = True                # vLLM's
+    # refused when set: answering without them would answer another question
+    tools: Union[list, None] = None
+    tool_choice: Union[str, dict, None] = None
+    response_format: Union[dict, None] = None
+    functions: Union[list, None] = None
 
     def conversation(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
