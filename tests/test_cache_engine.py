@@ -81,3 +81,31 @@ def test_a_live_engine_leaves_the_next_one_nothing_on_the_fake_device(tiny_model
     left = kv_cache_blocks(total=device.total, free=device.free() - second.model.nbytes, utilization=0.9,
                            activations=2**20, bytes_per_block=second.cache.bytes_per_block)
     assert budget > 0 and left == 0
+
+
+def test_bench_runs_the_peer_before_any_engine_exists(tiny_model_dir, monkeypatch):
+    """An idle engine's thread pools slowed the peer when it ran second: it runs first now,
+    on the same prompts the engine then gets, and the report names the libraries."""
+    built = []
+    seen = {}
+
+    def fake_peer(peer, model_dir, prompts, output_len, **_):
+        seen.update(engines_alive=len(built), prompts=prompts)
+        return {"generation_tok_s": 1.0, "peer": "fake"}
+
+    def engine(**kwargs):
+        built.append(kwargs)
+        return LLMEngine(**kwargs)
+
+    monkeypatch.setattr(bench, "run_peer", fake_peer)
+    monkeypatch.setattr(bench, "LLMEngine", engine)
+    out_args = build_parser().parse_args([
+        "bench", "throughput", "--model", str(tiny_model_dir), "--device", "cpu", "--swap-space", "0",
+        "--log-stats-interval", "0", "--num-prompts", "2", "--output-len", "2", "--min-prompt-len", "4",
+        "--max-prompt-len", "8", "--peer", "hf"])
+    assert bench.cmd_bench(out_args, engine_kwargs(out_args)) == 0
+    assert seen["engines_alive"] == 0 and len(built) == 1
+    vocab = LLMEngine(str(tiny_model_dir), device="cpu", swap_space=0, num_blocks=8).model_config.vocab_size
+    want = [r.prompt for r in bench.make_requests("throughput", {"num_prompts": 2, "min_prompt_len": 4,
+                                                                 "max_prompt_len": 8, "output_len": 2}, vocab, 0)]
+    assert seen["prompts"] == want

@@ -17,6 +17,8 @@ import json
 from ..engine.backend import release_device_memory
 from ..engine.llm_engine import LLMEngine
 from ..engine.metrics import Metrics
+from ..model.config import LlamaConfig
+from ..model.fetch import resolve_model
 from .bench_peers import run_peer
 from .bench_serve import bench_serve
 from .measure import run_workload
@@ -97,6 +99,17 @@ def runs_to_compare(workload: str, base: dict, cfg: dict) -> dict[str, dict]:
     return {"": base}
 
 
+def library_versions() -> dict:
+    """What ran the engine: the libraries and the thread counts, for the JSON report."""
+    import os  # noqa: PLC0415
+
+    import numba  # noqa: PLC0415
+    import numpy  # noqa: PLC0415
+
+    return {"numpy": numpy.__version__, "numba": numba.__version__, "numba_threads": numba.get_num_threads(),
+            "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"), "cpu_count": os.cpu_count()}
+
+
 def warm_up(engine: LLMEngine) -> None:
     """Compile the kernels and touch the weights, then start every counter afresh."""
     vocab = engine.model_config.vocab_size
@@ -129,6 +142,14 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
             base[key] = cfg[key]
     histories = {}
     results = {}
+    peer = None
+    if args.peer:
+        # The peer runs first, while no engine of ours is alive: an idle engine's thread
+        # pools on the same cores slowed it by up to 17% when it ran second.
+        model_dir = resolve_model(base["model"])
+        vocab = LlamaConfig.from_dir(model_dir).vocab_size
+        peer_requests = make_requests(args.workload, cfg, vocab, args.workload_seed)
+        peer = run_peer(args.peer, str(model_dir), [r.prompt for r in peer_requests], cfg["output_len"])
     engine = None
     for label, kwargs in runs_to_compare(args.workload, base, cfg).items():
         # Drop the previous run's engine first: on a GPU its KV pool (most of the device)
@@ -144,16 +165,15 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
             histories[label] = engine.kv_history
     if args.plot:
         plot_memory(histories, args.plot)
-    report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs}
+    report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs, "versions": library_versions()}
     if len(results) > 1:
         # one section per configuration: "paged" / "contiguous" (memory), "caching on" / "caching off"
         report.update(results)
         print_table(args.workload, cfg, results)
     else:
         result = report["result"] = results[""]
-        if args.peer:
-            peer = report["peer"] = run_peer(args.peer, str(engine.model_dir), [r.prompt for r in requests],
-                                             cfg["output_len"])
+        if peer is not None:
+            report["peer"] = peer
             result = {**result, f"{args.peer}_generation_tok_s": peer["generation_tok_s"],
                       f"speedup_vs_{args.peer}": result["generation_tok_s"] / peer["generation_tok_s"]}
         print_result(args.workload, cfg, result)

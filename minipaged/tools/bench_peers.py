@@ -39,6 +39,7 @@ def hf_generate(model_dir: str, prompts: list[list[int]], output_len: int, threa
                 device: str = "cpu", dtype: str = "float32") -> dict:
     """One padded batch of all prompts (left padding, contiguous cache), greedy, EOS ignored."""
     import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     torch.set_num_threads(threads)
@@ -66,7 +67,8 @@ def hf_generate(model_dir: str, prompts: list[list[int]], output_len: int, threa
     return {"peer": "hf-transformers", "elapsed_s": elapsed, "generated_tokens": generated,
             "generation_tok_s": generated / elapsed,
             "total_tok_s": (sum(len(p) for p in prompts) + generated) / elapsed,
-            "torch": torch.__version__, "threads": threads, "device": device, "dtype": dtype}
+            "torch": torch.__version__, "transformers": transformers.__version__, "threads": threads,
+            "torch_threads": torch.get_num_threads(), "device": device, "dtype": dtype}
 
 
 def main() -> int:
