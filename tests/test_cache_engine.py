@@ -41,6 +41,15 @@ class FakeDevice:
         return self.total - self.context - sum(e.model.nbytes + e.cache.total_bytes for e in live)
 
 
+def run_small_bench(model_dir, workload: str, *extra: str) -> int:
+    """``python -m minipaged bench WORKLOAD`` in this process: 2 tiny requests of 2 tokens."""
+    args = build_parser().parse_args([
+        "bench", workload, "--model", str(model_dir), "--device", "cpu", "--swap-space", "0",
+        "--log-stats-interval", "0", "--num-prompts", "2", "--output-len", "2", "--min-prompt-len", "4",
+        "--max-prompt-len", "8", *extra])
+    return bench.cmd_bench(args, engine_kwargs(args))
+
+
 def test_bench_drops_each_engine_before_building_the_next(tiny_model_dir, monkeypatch):
     """shared-prefix runs two engines; each is sized from the fake device's free memory as the
     GPU profiling pass would be, and both must get the same pool."""
@@ -61,11 +70,7 @@ def test_bench_drops_each_engine_before_building_the_next(tiny_model_dir, monkey
         return engine
 
     monkeypatch.setattr(bench, "LLMEngine", sized_engine)
-    args = build_parser().parse_args([
-        "bench", "shared-prefix", "--model", str(tiny_model_dir), "--device", "cpu", "--swap-space", "0",
-        "--log-stats-interval", "0", "--num-prompts", "2", "--output-len", "2", "--min-prompt-len", "4",
-        "--max-prompt-len", "8", "--prefix-len", "16"])
-    assert bench.cmd_bench(args, engine_kwargs(args)) == 0
+    assert run_small_bench(tiny_model_dir, "shared-prefix", "--prefix-len", "16") == 0
     assert len(pools) == 2 and pools[0] == pools[1] > 0, pools
 
 
@@ -99,11 +104,7 @@ def test_bench_runs_the_peer_before_any_engine_exists(tiny_model_dir, monkeypatc
 
     monkeypatch.setattr(bench, "run_peer", fake_peer)
     monkeypatch.setattr(bench, "LLMEngine", engine)
-    out_args = build_parser().parse_args([
-        "bench", "throughput", "--model", str(tiny_model_dir), "--device", "cpu", "--swap-space", "0",
-        "--log-stats-interval", "0", "--num-prompts", "2", "--output-len", "2", "--min-prompt-len", "4",
-        "--max-prompt-len", "8", "--peer", "hf"])
-    assert bench.cmd_bench(out_args, engine_kwargs(out_args)) == 0
+    assert run_small_bench(tiny_model_dir, "throughput", "--peer", "hf") == 0
     assert seen["engines_alive"] == 0 and len(built) == 1
     vocab = LLMEngine(str(tiny_model_dir), device="cpu", swap_space=0, num_blocks=8).model_config.vocab_size
     want = [r.prompt for r in bench.make_requests("throughput", {"num_prompts": 2, "min_prompt_len": 4,
