@@ -32,3 +32,13 @@ def calm_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def golden() -> dict:
     return json.loads(GOLDEN.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """The dense, cache-free float64 forward of the tiny model: the engine's oracle."""
+    from minipaged.model.config import LlamaConfig
+    from minipaged.model.reference import DenseReference
+    from minipaged.model.weights import load_checkpoint
+
+    return DenseReference(LlamaConfig.from_dir(tiny_model_dir), load_checkpoint(tiny_model_dir))

@@ -5,24 +5,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from minipaged import LLM, LLMEngine, OutputKind, RequestError, SamplingParams
+from minipaged import LLMEngine, OutputKind, RequestError, SamplingParams
 from minipaged.config import ConfigError
-from minipaged.model.config import LlamaConfig
-from minipaged.model.reference import DenseReference
-from minipaged.model.weights import load_checkpoint
+from tiny_model import make_llm
 from minipaged.engine.sampler import log_softmax
 
 NEAR_TIE = 1e-3
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    return DenseReference(LlamaConfig.from_dir(tiny_model_dir), load_checkpoint(tiny_model_dir))
-
-
-def make_llm(model_dir, **kwargs):
-    kwargs.setdefault("device", "cpu")
-    return LLM(model=str(model_dir), **kwargs)
 
 
 def assert_greedy(reference, prompt, tokens):

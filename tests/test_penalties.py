@@ -22,7 +22,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from minipaged import LLM, BeamSearchParams, LLMEngine, OutputKind, RequestError, SamplingParams
+from minipaged import BeamSearchParams, LLMEngine, OutputKind, RequestError, SamplingParams
 from minipaged.engine.sampler import Sampler, SampleRequest
 from minipaged.entrypoints.args import add_sampling_flags, sampling_params
 from minipaged.model.config import LlamaConfig, read_generation_defaults
@@ -30,6 +30,7 @@ from minipaged.model.errors import ModelFormatError
 from minipaged.model.random_llama import write_tiny_llama
 from minipaged.model.reference import DenseReference
 from minipaged.model.weights import load_checkpoint
+from tiny_model import make_llm
 from minipaged.sampling_params import derive_seed
 
 NEAR_TIE = 1e-3
@@ -37,19 +38,9 @@ VOCAB = 259
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    return DenseReference(LlamaConfig.from_dir(tiny_model_dir), load_checkpoint(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
 def calm_reference(calm_model_dir):
     """The penalties are a few units: they change choices only where logits are a few units apart."""
     return DenseReference(LlamaConfig.from_dir(calm_model_dir), load_checkpoint(calm_model_dir))
-
-
-def make_llm(model_dir, **kwargs):
-    kwargs.setdefault("device", "cpu")
-    return LLM(model=str(model_dir), **kwargs)
 
 
 def prompts_of(n, seed, lo=4, hi=40):
