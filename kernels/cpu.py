@@ -169,6 +169,24 @@ def attention_work_items(query_start_loc: np.ndarray, seqs: np.ndarray) -> np.nd
     return work
 
 
+@two_ways
+def _scale_mask_shift(scores, row_pos, scale):
+    """In place, row by row: scores * scale, minus the row's maximum over the keys it may see
+    (keys 0..row_pos[r]); the keys after it (the causal future) become -inf. One pass in
+    place of numpy's five (scale, mask, max, subtract, and the mask's own index arrays)."""
+    for r in prange(scores.shape[0]):
+        last = row_pos[r]
+        top = -np.inf
+        for j in range(last + 1):
+            v = scores[r, j] * scale
+            scores[r, j] = v
+            top = max(top, v)
+        for j in range(last + 1):
+            scores[r, j] -= top
+        for j in range(last + 1, scores.shape[1]):
+            scores[r, j] = -np.inf
+
+
 def _blas_attention(q, k_cache, v_cache, block_table, seq_len, scale, out) -> None:
     """Attention of one sequence's many queries with two matrix products per KV head.
 
@@ -190,17 +208,15 @@ def _blas_attention(q, k_cache, v_cache, block_table, seq_len, scale, out) -> No
         last_pos = seq_len - n + stop - 1
         # (rows,) position of each (query, head-in-group) row; keys beyond last_pos are never seen
         row_pos = np.repeat(np.arange(first_pos, last_pos + 1), group)
-        future = np.arange(last_pos + 1)[None, :] > row_pos[:, None]       # (rows, keys) causal mask
         for h in range(num_kv_heads):
             qh = q[start:stop, h * group:(h + 1) * group].reshape(-1, head_dim)  # (rows, head_dim)
             scores = qh @ keys[h, : last_pos + 1].T                        # (rows, keys)
-            scores *= scale
-            scores[future] = -np.inf
-            scores -= scores.max(axis=1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(axis=1, keepdims=True)
+            _scale_mask_shift(scores.size)(scores, row_pos, np.float32(scale))
+            np.exp(scores, out=scores)                  # numpy's exp is vectorised; Numba's is not
+            total = scores.sum(axis=1)                                     # (rows,)
+            # normalise the (rows, head_dim) result, not the (rows, keys) weights
             out[start:stop, h * group:(h + 1) * group] = (
-                scores @ values[h, : last_pos + 1]).reshape(stop - start, group, head_dim)
+                (scores @ values[h, : last_pos + 1]) / total[:, None]).reshape(stop - start, group, head_dim)
 
 
 @dataclass(frozen=True)
@@ -247,6 +263,51 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         plan.kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, qsl,
                     np.float32(scale), plan.work, plan.num_threads, out)
     return out
+
+
+# --------------------------------------------------------------------------- matrix products
+
+# A BLAS matrix-matrix product of a few rows costs far more than its rows' matrix-vector
+# products: OpenBLAS packs the whole weight into its own layout first, and its kernels are
+# tiled for many rows. Over one decode step of SmolLM2 (538 MB of weights, 2-core Xeon,
+# OpenBLAS 0.3.31), every product took 23 ms for 1 row, 61 ms for 2 rows and 62 ms for 4;
+# one gemv per row took 37 ms for 2 rows and 56 ms for 4 (the second row finds part of the
+# weights still in cache). So up to this many rows, each row is its own gemv.
+ROW_BY_ROW_MAX_ROWS = 3
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """A linear layer: x (T, in) @ w (in, out) -> (T, out).
+
+    BLAS either way: a gemv per row for 2..ROW_BY_ROW_MAX_ROWS rows, one gemm otherwise.
+    """
+    rows = x.shape[0]
+    if rows < 2 or rows > ROW_BY_ROW_MAX_ROWS:
+        return x @ w
+    out = np.empty((rows, w.shape[1]), dtype=np.result_type(x, w))    # (T, out)
+    for t in range(rows):
+        np.matmul(x[t], w, out=out[t])
+    return out
+
+
+# --------------------------------------------------------------------------- streaming read
+
+@njit(fastmath=True, parallel=True, cache=True)
+def _stream_sum(data, partial):
+    chunk = -(-data.shape[0] // partial.shape[0])
+    for t in prange(partial.shape[0]):
+        total = np.float32(0.0)
+        for i in range(t * chunk, min((t + 1) * chunk, data.shape[0])):
+            total += data[i]
+        partial[t] = total
+
+
+def stream_sum(data: np.ndarray) -> float:
+    """Sum of data (n,) float32, read once by every thread's share: the read-bandwidth probe
+    of ``bench roofline`` (what the machine can stream, with the threads the kernels use)."""
+    partial = np.zeros(get_num_threads() * 16, dtype=np.float32)   # (chunks,)
+    _stream_sum(data, partial)
+    return float(partial.astype(np.float64).sum())
 
 
 # --------------------------------------------------------------------------- fused elementwise

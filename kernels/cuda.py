@@ -37,7 +37,7 @@ class CudaAttentionPlan:
 
 
 class CudaOps:
-    """Kernel namespace for the model: ``xp``, ``rms_norm``, ``rotary``, ``silu_and_mul``,
+    """Kernel namespace for the model: ``xp``, ``linear``, ``rms_norm``, ``rotary``, ``silu_and_mul``,
     ``write_kv``, ``plan_attention``, ``paged_attention``, ``swap_blocks``, ``copy_blocks``."""
 
     def __init__(self, xp, kernels, block_copy=None) -> None:
@@ -111,6 +111,11 @@ class CudaOps:
         self._launch("paged_prefill", k_cache.dtype, (plan.tiles.shape[0], num_heads), (NUM_WARPS * 32,),
                      [out, q, k_cache, v_cache, tables, seq_lens, qsl, plan.tiles, *common, np.float32(scale)])
         return out
+
+    # ------------------------------------------------------------------ matrix products
+    def linear(self, x, w):
+        """x (T, in) @ w (in, out) -> (T, out): cuBLAS through CuPy (NumPy's BLAS in the harness)."""
+        return x @ w
 
     # ------------------------------------------------------------------ fused elementwise
     def rms_norm(self, x, weight, eps: float):

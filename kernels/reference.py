@@ -85,6 +85,19 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     return out
 
 
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """A linear layer without bias: x (T, in) @ w (in, out) -> (T, out), summed in float64."""
+    out = np.zeros((x.shape[0], w.shape[1]), dtype=np.float64)   # (T, out)
+    for i in range(x.shape[1]):
+        out += np.outer(x[:, i].astype(np.float64), w[i].astype(np.float64))
+    return out.astype(x.dtype)
+
+
+def stream_sum(data: np.ndarray) -> float:
+    """The sum of data (n,), in float64: what the bandwidth probe must return."""
+    return float(np.sum(data, dtype=np.float64))
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x: (T, hidden), weight: (hidden,) -> (T, hidden): x / rms(x) * weight."""
     x32 = x.astype(np.float32)

@@ -6,7 +6,7 @@ prompts and decodes. Only attention needs to know which token belongs to which
 sequence, and it learns that from the explicit AttentionMetadata.
 
 ``ops`` is the backend's kernel namespace (``kernels.cpu``, or ``kernels.cuda.CudaOps`` on a GPU):
-it provides ``xp`` (numpy or cupy), ``rms_norm``, ``rotary``, ``silu_and_mul``,
+it provides ``xp`` (numpy or cupy), ``linear``, ``rms_norm``, ``rotary``, ``silu_and_mul``,
 ``write_kv``, ``plan_attention`` and ``paged_attention``.
 """
 
@@ -105,7 +105,7 @@ class LlamaModel:
         plan = ops.plan_attention(meta)         # how attention splits this batch, for every layer
         for i, layer in enumerate(self.layers):
             x = ops.rms_norm(hidden, layer.input_norm, c.rms_norm_eps)          # (T, hidden)
-            qkv = x @ layer.qkv                                                 # (T, q + 2kv)
+            qkv = ops.linear(x, layer.qkv)                                      # (T, q + 2kv)
             q = qkv[:, :q_size].reshape(num_tokens, c.num_attention_heads, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, c.num_key_value_heads, c.head_dim)
             v = qkv[:, q_size + kv_size:].reshape(num_tokens, c.num_key_value_heads, c.head_dim)
@@ -114,10 +114,11 @@ class LlamaModel:
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, plan, self.scale)   # (T, heads, head_dim)
-            hidden = hidden + attn.reshape(num_tokens, q_size) @ layer.o
+            hidden = hidden + ops.linear(attn.reshape(num_tokens, q_size), layer.o)
             x = ops.rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-            hidden = hidden + ops.silu_and_mul(x @ layer.gate_up) @ layer.down  # (T, hidden)
+            gated = ops.silu_and_mul(ops.linear(x, layer.gate_up))             # (T, ffn)
+            hidden = hidden + ops.linear(gated, layer.down)                     # (T, hidden)
         if logits_indices.shape[0] == 0:      # a step of prompt chunks only: nothing to sample
             return ops.xp.empty((0, c.vocab_size), dtype=self.lm_head.dtype)
         last = ops.rms_norm(hidden[logits_indices], self.final_norm, c.rms_norm_eps)  # (N, hidden)
-        return last @ self.lm_head                                            # (N, vocab)
+        return ops.linear(last, self.lm_head)                                 # (N, vocab)

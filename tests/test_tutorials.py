@@ -181,3 +181,17 @@ def test_t13_serving_many_clients():
     assert re.search(r"now 0 blocks are used and \d+ are cached", out)
     assert 'vllm:prefix_cache_hits_total{model_name="smollm2-135m-instruct"}' in out
     assert "aborted 0 request(s) in flight; KV blocks in use: 0" in out
+
+
+@pytest.mark.slow
+def test_t14_the_roofline():
+    out = run_tutorial("14_the_roofline.py")
+    assert "every weight once: 134,479,872 float32 parameters in the layers' matrices and the LM head = 537.9 MB" in out
+    assert re.search(r"decode B=1 +544\.1 MB +5\.9 MB +0\.28 +0\.51 .* bandwidth-bound", out)
+    assert re.search(r"prefill 256 +561\.7 MB .* compute-bound", out)
+    assert "8 sequences share the weights but each reads its own KV: 3.79 FLOP/byte, 7.4x, not 8x" in out
+    assert "measured: prefilled 4 x 128 tokens in" in out and "measured: prefill 256:" in out
+    assert re.search(r"\n +B=1 +\d+ +[\d.]+ +[\d.]+ +[\d.]+ ", out) and re.search(r"\n +T=256 +[\d.]+ ", out)
+    assert re.search(r"so linear runs one gemv per row for 2\.\.\d+ rows, and a gemm otherwise", out)
+    assert "minipaged sets 16 (OpenBLAS's threads spin 2**16 cycles" in out
+    assert "python -m minipaged bench roofline" in out

@@ -5,6 +5,8 @@
     async_llm_engine.py  AsyncLLMEngine: one engine loop shared by many concurrent callers (the server's)
     input_processor.py   a request checked in full before it is queued (exec()'s checks): RequestError
     backend.py           the hardware abstraction layer: picks the device and the kernel namespace
+    thread_pools.py      BLAS's and Numba's thread pools told to yield the cores to each other,
+                         whatever was imported first
     cache_engine.py      physical memory and swap space: owns the KV pool and the CPU swap pool,
                          executes the memory manager's copy and swap plans (the DMA driver)
     model_runner.py      loads the page-table base registers: one step flattened into arrays

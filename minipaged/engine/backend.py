@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
 import numpy as np
+
+from .thread_pools import settle_blas_threads
 
 logger = logging.getLogger("minipaged")
 
@@ -52,10 +53,11 @@ def select_backend(device: str, dtype: str) -> Backend:
         raise ValueError(f"dtype={dtype!r} is not supported on the CPU; use 'float32' or 'auto'")
     from ..kernels import cpu  # noqa: PLC0415 (compiles Numba kernels on first use)
 
-    if "OPENBLAS_THREAD_TIMEOUT" not in os.environ:
-        logger.info("numpy was imported before minipaged, so its BLAS threads busy-wait after "
-                    "each matmul and slow the Numba kernels down (up to 2x); import minipaged "
-                    "first, or set OPENBLAS_THREAD_TIMEOUT=16")
+    stuck = settle_blas_threads()     # whatever came first, numpy or minipaged
+    if stuck:
+        logger.info("the BLAS at %s cannot be told to stop busy-waiting after each matmul, which "
+                    "slows the Numba kernels down (up to 2x); set OPENBLAS_THREAD_TIMEOUT=16 before "
+                    "numpy is imported", ", ".join(stuck))
     return Backend("cpu", cpu, np.dtype(np.float32))
 
 

@@ -6,7 +6,8 @@ engine per setting compared (prefix caching off/on, chunked prefill off/on, page
 against contiguous), each warmed up and then measured on the same trace. The
 traces are in workloads.py, the timing in measure.py, the tables and the plot in
 report.py, the Hugging Face peer in bench_peers.py, the HTTP clients of ``bench serve`` in
-bench_serve.py.
+bench_serve.py, the machine's limits and the steps against them (``bench roofline``) in
+roofline.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from ..model.fetch import resolve_model
 from .bench_peers import run_peer
 from .bench_serve import bench_serve
 from .measure import run_workload
-from .report import memory_figures, plot_memory, print_result, print_table
+from .report import memory_figures, plot_memory, print_result, print_roofline, print_table
+from .roofline import check_roofline_args, run_roofline
 from .workloads import PEER_WORKLOADS, WORKLOAD_ENGINE, WORKLOADS, BenchRequest, make_prompts, make_requests
 
 
@@ -53,6 +55,13 @@ def add_bench_parser(sub, add_engine_flags) -> None:
                         "starting one")
     p.add_argument("--compare-offline", action="store_true", default=None,
                    help="serve: also run the same prompts through LLMEngine in this process")
+    p.add_argument("--batch-sizes", default=None, metavar="B,B,...",
+                   help="roofline: decode batch sizes (default 1,2,4,8,16,32,64)")
+    p.add_argument("--context-len", type=int, default=None, help="roofline: decode context, in tokens")
+    p.add_argument("--prefill-lens", default=None, metavar="N,N,...",
+                   help="roofline: prompt lengths of the prefill rows (default 256,2048; empty: none)")
+    p.add_argument("--steps", type=int, default=None, help="roofline: decode steps timed per batch size")
+    p.add_argument("--prefill-repeats", type=int, default=None, help="roofline: timed runs per prefill")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the prompt lengths and ids")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--peer", choices=["hf"], default=None,
@@ -76,6 +85,9 @@ def check_bench_args(args: argparse.Namespace, defaults: dict) -> None:
     if args.peer and args.workload not in PEER_WORKLOADS:
         raise ValueError(f"--peer runs one padded greedy batch, which fits only the "
                          f"{', '.join(PEER_WORKLOADS)} workloads, not {args.workload}")
+    if args.workload == "roofline":
+        check_roofline_args({k: getattr(args, k) if getattr(args, k) is not None else v
+                             for k, v in defaults.items()})
     if args.workload == "memory" and args.enable_prefix_caching:
         raise ValueError("the memory workload compares paging with the contiguous baseline, which "
                          "has no prefix caching; run it without --enable-prefix-caching")
@@ -127,6 +139,14 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
     _, defaults = WORKLOADS[args.workload]
     check_bench_args(args, defaults)
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
+    if args.workload == "roofline":
+        report = {"workload": "roofline", "config": cfg, "engine": engine_kwargs, "versions": library_versions(),
+                  **run_roofline(engine_kwargs, cfg)}
+        print_roofline(report)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+        return 0
     if args.workload == "serve":
         report = {"workload": "serve", "config": {k: v for k, v in cfg.items() if k != "base_url"},
                   "engine": engine_kwargs if args.base_url is None else None,

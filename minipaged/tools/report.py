@@ -66,3 +66,24 @@ def plot_memory(histories: dict, path: str) -> None:
     axes[-1, 0].set_xlabel("engine step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def print_roofline(report: dict) -> None:
+    """``bench roofline``: the machine's limits, then one row per decode batch and prefill."""
+    m = report["machine"]
+    print(f"\nroofline: matmul peak {m['matmul_peak'] / 1e9:.1f} GFLOP/s, read bandwidth "
+          f"{m['read_bandwidth'] / 1e9:.1f} GB/s, last-level cache {m['last_level_cache_bytes'] >> 20} MiB")
+    parts = ("matmuls", "lm_head", "attention", "other_kernels", "sampler", "python")
+    head = "  ".join(f"{p:>13}" for p in parts)
+    print(f"  {'decode':>8} {'ctx':>5} {'step ms':>8} {'bound ms':>8} {'ratio':>6} {'mm GF/s':>8}  {head}")
+    for r in report["decode"]:
+        cells = "  ".join(f"{r['breakdown_s'][p] * 1e3:13.2f}" for p in parts)
+        print(f"  {'B=' + str(r['batch']):>8} {r['mean_context']:5.0f} {r['step_s'] * 1e3:8.1f} "
+              f"{r['bound_s'] * 1e3:8.1f} {r['ratio']:6.2f} {r['matmul_gflop_s']:8.1f}  {cells}")
+    if report["prefill"]:
+        print(f"  {'prefill':>8} {'':>5} {'step ms':>8} {'bound ms':>8} {'ratio':>6} {'GF/s':>8}  {head}")
+    for r in report["prefill"]:
+        cells = "  ".join(f"{r['breakdown_s'][p] * 1e3:13.2f}" for p in parts)
+        print(f"  {'T=' + str(r['prompt_len']):>8} {'':>5} {r['step_s'] * 1e3:8.1f} {r['bound_s'] * 1e3:8.1f} "
+              f"{r['ratio']:6.2f} {r['gflop_s']:8.1f}  {cells}   ({100 * r['fraction_of_peak']:.0f}% of peak)")
+    print("  (breakdown in ms per step; ratio = step / bound, 1.00 is the roofline)")

@@ -46,6 +46,11 @@ WORKLOADS = {
               "same prompts through LLMEngine too)",
               dict(num_prompts=32, min_prompt_len=32, max_prompt_len=256, output_len=128, request_rate=math.inf,
                    max_concurrency=None, base_url=None, compare_offline=None)),
+    "roofline": ("this machine's matmul peak and read bandwidth, then decode steps at each of BATCH_SIZES "
+                 "(context CONTEXT_LEN) and prefills of PREFILL_LENS tokens, each against its bound "
+                 "max(bytes / bandwidth, FLOPs / peak), with a breakdown of where the time goes",
+                 dict(batch_sizes="1,2,4,8,16,32,64", context_len=256, prefill_lens="256,2048", steps=8,
+                      prefill_repeats=2)),
 }
 
 # Engine settings a workload fixes unless the command line sets them.

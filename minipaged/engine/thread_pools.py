@@ -1,0 +1,72 @@
+"""Thread pools: two schedulers on one set of cores, told to yield to each other.
+
+On the CPU two thread pools share the cores: OpenBLAS's (numpy's matrix products) and
+Numba's (every other kernel). Like two processes that each busy-wait for the CPU, a pool
+that spins after its work steals the cores the other needs next: a 0.5 ms matmul once took
+9 ms after a parallel kernel. ``minipaged/boot.py`` asks both pools to sleep soon
+(``OMP_WAIT_POLICY=PASSIVE`` for Numba, ``OPENBLAS_THREAD_TIMEOUT=16`` for OpenBLAS), but
+OpenBLAS reads its variable once, when numpy loads it. A program that imports numpy before
+minipaged, the ordinary way to use a library, has already missed that moment.
+
+``settle_blas_threads`` makes the setting hold whatever the import order: it finds every
+OpenBLAS that is loaded (``threadpoolctl`` lists the native thread pools of a process),
+asks it to read its environment again (``openblas_read_env``) and stops its threads
+(``blas_thread_shutdown_``); OpenBLAS starts them afresh, with the new timeout, at its next
+parallel call. Run it while no BLAS call is in flight: the CPU backend calls it once, when
+an engine is built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+logger = logging.getLogger("minipaged")
+
+THREAD_TIMEOUT = 16   # OpenBLAS threads spin 2**16 cycles (~25 us), then sleep
+
+
+def openblas_libraries() -> list[dict]:
+    """threadpoolctl's record of each OpenBLAS loaded in this process (empty without one)."""
+    try:
+        import threadpoolctl  # noqa: PLC0415
+    except ImportError:
+        return []
+    return [info for info in threadpoolctl.threadpool_info() if info.get("internal_api") == "openblas"]
+
+
+def thread_timeout(filepath: str) -> int | None:
+    """The spin exponent the OpenBLAS at ``filepath`` uses now (0: its default, 2**28 cycles)."""
+    lib = ctypes.CDLL(filepath)
+    if not hasattr(lib, "openblas_thread_timeout"):
+        return None
+    lib.openblas_thread_timeout.restype = ctypes.c_int
+    return int(lib.openblas_thread_timeout())
+
+
+def settle_blas_threads() -> list[str]:
+    """Make every loaded OpenBLAS use ``OPENBLAS_THREAD_TIMEOUT`` (16 unless the user set it).
+
+    Returns the libraries that still spin too long (this OpenBLAS cannot re-read its
+    environment); the backend names them in one notice.
+    """
+    wanted = os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", str(THREAD_TIMEOUT))
+    stuck = []
+    for info in openblas_libraries():
+        path = info["filepath"]
+        try:
+            current = thread_timeout(path)
+            if current is not None and str(current) == wanted:
+                continue
+            lib = ctypes.CDLL(path)
+            if not (hasattr(lib, "openblas_read_env") and hasattr(lib, "blas_thread_shutdown_")):
+                stuck.append(path)
+                continue
+            lib.openblas_read_env()          # OpenBLAS copies its variables into its globals
+            lib.blas_thread_shutdown_()      # the pool restarts at the next parallel call
+            if str(thread_timeout(path)) != wanted:
+                stuck.append(path)
+        except OSError:                      # cannot be opened again: leave it as it is
+            stuck.append(path)
+    return stuck

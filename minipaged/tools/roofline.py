@@ -1,0 +1,322 @@
+"""``python -m minipaged bench roofline``: the machine's own limits, and every step against them.
+
+The analogy is the machine's data sheet beside a profiler: first measure what the
+hardware can do at all (a large square matrix product for the arithmetic peak, a
+streaming sum over more memory than the last-level cache for the read bandwidth),
+then time real engine steps and set each one against its bound,
+
+    bound = max(bytes the step must read / bandwidth, FLOPs it must do / peak),
+
+where the bytes are every weight once (the LM head included), the K and V of every
+context token, and the logits written; the FLOPs are the matrix products and the
+attention. A step at ratio 1.0 runs at the roofline; the breakdown says where the
+rest goes: matrix products (the layers' and the LM head's), attention, the other
+kernels (norms, rotary, SwiGLU, KV writes, gathers and adds), and the Python around
+the model (scheduler, model-input building, sampler, output processing).
+
+Decode is measured at batch sizes B with a context of about ``context_len`` tokens:
+the largest batch is prefilled once, then measured, and requests are aborted down to
+each smaller batch in turn (each batch's real mean context is reported and used).
+Prefill is one prompt of each length in ``prefill_lens``, alone in its step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from ..engine.llm_engine import LLMEngine
+from ..sampling_params import SamplingParams
+from .workloads import make_prompts
+
+# --------------------------------------------------------------------------- the machine
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache, from sysfs (64 MiB when it cannot be read)."""
+    sizes = []
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    for entry in os.listdir(root) if os.path.isdir(root) else []:
+        try:
+            with open(os.path.join(root, entry, "size")) as f:
+                text = f.read().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=64 << 20)
+
+
+def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a large square float32 product through numpy's BLAS (best of ``repeats``)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)   # (n, n)
+    b = rng.standard_normal((n, n), dtype=np.float32)   # (n, n)
+    out = np.empty((n, n), dtype=np.float32)            # (n, n)
+    np.matmul(a, b, out=out)
+    best = min(_timed(lambda: np.matmul(a, b, out=out)) for _ in range(repeats))
+    return 2.0 * n ** 3 / best
+
+
+def read_bandwidth(nbytes: int | None = None, repeats: int = 3) -> float:
+    """Bytes/s of a streaming sum over ``nbytes`` (default: 4x the last-level cache, at least
+    1 GiB), on all the cores the kernels use (best of ``repeats``)."""
+    from ..kernels.cpu import stream_sum  # noqa: PLC0415  (Numba compiles on first use)
+
+    nbytes = nbytes or max(4 * last_level_cache_bytes(), 1 << 30)
+    data = np.ones(nbytes // 4, dtype=np.float32)       # (nbytes / 4,)
+    stream_sum(data)
+    best = min(_timed(lambda: stream_sum(data)) for _ in range(repeats))
+    return data.nbytes / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------- a step's cost
+
+
+def step_cost(engine: LLMEngine, query_lens: list[int], context_lens: list[int], num_logits: int) -> dict:
+    """Bytes a step must move and FLOPs it must do, counted from the model's shapes.
+
+    query_lens[i] new tokens of sequence i attend to context_lens[i] tokens (the new ones
+    included, causally); num_logits rows go through the LM head.
+    """
+    c = engine.model_config
+    layer_params = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+                    + 3 * c.hidden_size * c.intermediate_size)
+    head_params = c.hidden_size * c.vocab_size
+    weight_bytes = 4 * (c.num_hidden_layers * layer_params + head_params)   # float32 weights
+    kv_item = engine.cache.kv_cache.dtype.itemsize
+    kv_token = c.num_hidden_layers * 2 * c.kv_size * kv_item                # K and V, all layers
+    tokens = sum(query_lens)
+    kv_read = sum(context_lens) * kv_token
+    kv_written = tokens * kv_token
+    logits_bytes = 4 * num_logits * c.vocab_size
+    # attention: q.k and p.v for every (query, visible key) pair, every head and layer
+    pairs = sum(sum(ctx - q + i + 1 for i in range(q)) for q, ctx in zip(query_lens, context_lens))
+    attn_flops = 4 * pairs * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+    matmul_flops = 2 * tokens * c.num_hidden_layers * layer_params + 2 * num_logits * head_params
+    return {"bytes": weight_bytes + kv_read + kv_written + logits_bytes, "weight_bytes": weight_bytes,
+            "kv_bytes": kv_read + kv_written, "flops": matmul_flops + attn_flops,
+            "matmul_flops": matmul_flops, "attention_flops": attn_flops}
+
+
+def bound(cost: dict, machine: dict) -> float:
+    return max(cost["bytes"] / machine["read_bandwidth"], cost["flops"] / machine["matmul_peak"])
+
+
+# --------------------------------------------------------------------------- timing the parts
+
+CATEGORY = {"linear": "matmuls", "paged_attention": "attention", "plan_attention": "attention",
+            "rms_norm": "other_kernels", "rotary": "other_kernels", "silu_and_mul": "other_kernels",
+            "write_kv": "other_kernels"}
+
+
+class TimedOps:
+    """The model's kernel namespace with a stopwatch on every call (CPU kernels are
+    synchronous, so a call's wall time is its cost). The LM head's product is counted
+    apart from the layers' products."""
+
+    def __init__(self, ops, lm_head) -> None:
+        self._ops = ops
+        self._lm_head = lm_head
+        self.xp = ops.xp
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def __getattr__(self, name):
+        fn = getattr(self._ops, name)
+        if not callable(fn):
+            return fn
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            label = "lm_head" if name == "linear" and args[1] is self._lm_head else CATEGORY.get(name, "other_kernels")
+            self.seconds[label] += time.perf_counter() - start
+            return result
+        return timed
+
+
+class StepProfiler:
+    """Wraps one engine's model runner, model ops and sampler to split each step's time."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        model = engine.runner.model
+        self.ops = TimedOps(model.ops, model.lm_head)
+        self.forward_seconds = 0.0
+        self.sampler_seconds = 0.0
+        runner_execute, sampler = engine.runner.execute, engine.sampler
+
+        def execute(*args, **kwargs):
+            start = time.perf_counter()
+            out = runner_execute(*args, **kwargs)
+            self.forward_seconds += time.perf_counter() - start
+            return out
+
+        def sample(*args, **kwargs):
+            start = time.perf_counter()
+            out = sampler(*args, **kwargs)
+            self.sampler_seconds += time.perf_counter() - start
+            return out
+
+        sample.prompt_logprobs = sampler.prompt_logprobs
+        model.ops = self.ops
+        engine.runner.execute = execute
+        engine.sampler = sample
+        self._restore = (model, runner_execute, sampler, self.ops._ops)
+
+    def reset(self) -> None:
+        self.ops.seconds.clear()
+        self.forward_seconds = self.sampler_seconds = 0.0
+
+    def close(self) -> None:
+        model, runner_execute, sampler, ops = self._restore
+        model.ops = ops
+        self.engine.runner.execute = runner_execute
+        self.engine.sampler = sampler
+
+    def breakdown(self, total: float, steps: int) -> dict:
+        """Seconds per step: each kernel category, the forward's remainder, and the Python."""
+        parts = {k: v / steps for k, v in self.ops.seconds.items()}
+        kernels = sum(self.ops.seconds.values())
+        parts["other_kernels"] = parts.get("other_kernels", 0.0) + (self.forward_seconds - kernels) / steps
+        parts["sampler"] = self.sampler_seconds / steps
+        parts["python"] = (total - self.forward_seconds - self.sampler_seconds) / steps
+        for key in ("matmuls", "lm_head", "attention", "other_kernels"):
+            parts.setdefault(key, 0.0)
+        return parts
+
+
+# --------------------------------------------------------------------------- the measurements
+
+
+def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], context_len: int,
+                   steps: int, progress=print) -> list[dict]:
+    """Prefill max(batch_sizes) requests of ``context_len`` tokens, then time decode steps at
+    each batch size, largest first, aborting requests down to the next size."""
+    batch_sizes = sorted(set(batch_sizes), reverse=True)
+    vocab = engine.model_config.vocab_size
+    prompts = make_prompts(batch_sizes[0], context_len, context_len, vocab, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - context_len,
+                            ignore_eos=True, detokenize=False)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"roofline-{i}", prompt, params)
+    start = time.perf_counter()
+    while engine.scheduler.waiting or any(g.seqs[0].num_output_tokens == 0 for g in engine.scheduler.running):
+        engine.step()
+    progress(f"prefilled {len(prompts)} x {context_len} tokens in {time.perf_counter() - start:.1f} s")
+    profiler = StepProfiler(engine)
+    rows = []
+    try:
+        for batch in batch_sizes:
+            for group in list(engine.scheduler.running)[batch:]:
+                engine.abort_request(group.request_id)
+            engine.step()                                  # warm-up at this size
+            running = list(engine.scheduler.running)
+            contexts = [g.seqs[0].num_computed_tokens + 1 for g in running]   # after this step's token
+            profiler.reset()
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            total = time.perf_counter() - start
+            step_time = total / steps
+            mean_ctx = [c + (steps - 1) / 2 for c in contexts]
+            cost = step_cost(engine, [1] * len(running), mean_ctx, len(running))
+            row = {"batch": len(running), "mean_context": float(np.mean(mean_ctx)), "step_s": step_time,
+                   "bound_s": bound(cost, machine), "breakdown_s": profiler.breakdown(total, steps), **cost}
+            row["ratio"] = row["step_s"] / row["bound_s"]
+            row["matmul_gflop_s"] = cost["matmul_flops"] / (row["breakdown_s"]["matmuls"]
+                                                            + row["breakdown_s"]["lm_head"]) / 1e9
+            rows.append(row)
+            progress(f"decode B={row['batch']}: {step_time * 1e3:.1f} ms a step, bound "
+                     f"{row['bound_s'] * 1e3:.1f} ms, {row['ratio']:.2f}x")
+    finally:
+        profiler.close()
+        for group in list(engine.scheduler.running):
+            engine.abort_request(group.request_id)
+    return sorted(rows, key=lambda r: r["batch"])
+
+
+def measure_prefill(engine: LLMEngine, machine: dict, prefill_lens: list[int], repeats: int,
+                    progress=print) -> list[dict]:
+    """Time the step that prefills one prompt of each length, alone (best of ``repeats``)."""
+    vocab = engine.model_config.vocab_size
+    rows = []
+    profiler = StepProfiler(engine)
+    try:
+        for length in prefill_lens:
+            best = None
+            for r in range(repeats + 1):                 # the first run warms up
+                prompt = make_prompts(1, length, length, vocab, seed=100 + r)[0]
+                engine.add_request(f"prefill-{length}-{r}", prompt,
+                                   SamplingParams(temperature=0.0, max_tokens=1, detokenize=False))
+                profiler.reset()
+                start = time.perf_counter()
+                engine.step()
+                total = time.perf_counter() - start
+                while engine.has_unfinished_requests():
+                    engine.step()
+                if r and (best is None or total < best[0]):
+                    best = (total, profiler.breakdown(total, 1))
+            cost = step_cost(engine, [length], [length], 1)
+            row = {"prompt_len": length, "step_s": best[0], "bound_s": bound(cost, machine),
+                   "breakdown_s": best[1], **cost}
+            row["ratio"] = row["step_s"] / row["bound_s"]
+            row["gflop_s"] = cost["flops"] / best[0] / 1e9
+            row["fraction_of_peak"] = cost["flops"] / best[0] / machine["matmul_peak"]
+            rows.append(row)
+            progress(f"prefill {length}: {best[0] * 1e3:.0f} ms, {row['gflop_s']:.0f} GFLOP/s "
+                     f"({100 * row['fraction_of_peak']:.0f}% of the matmul peak)")
+    finally:
+        profiler.close()
+    return rows
+
+
+def parse_sizes(text: str, flag: str, allow_empty: bool = False) -> list[int]:
+    """"1,2,4" -> [1, 2, 4]; anything but positive integers is refused, naming the flag."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not all(p.isdigit() and int(p) > 0 for p in parts) or not (parts or allow_empty):
+        raise ValueError(f"{flag} takes positive integers separated by commas (e.g. 1,2,4), got {text!r}")
+    return [int(p) for p in parts]
+
+
+def check_roofline_args(cfg: dict) -> None:
+    """Refuse bad sizes before anything is measured or loaded."""
+    parse_sizes(cfg["batch_sizes"], "--batch-sizes")
+    parse_sizes(cfg["prefill_lens"], "--prefill-lens", allow_empty=True)
+    for key in ("context_len", "steps", "prefill_repeats"):
+        if not (isinstance(cfg[key], int) and cfg[key] >= 1):
+            raise ValueError(f"--{key.replace('_', '-')} must be a positive integer, got {cfg[key]!r}")
+
+
+def run_roofline(engine_kwargs: dict, cfg: dict, progress=print) -> dict:
+    """The whole ``bench roofline``: machine limits, decode rows, prefill rows."""
+    check_roofline_args(cfg)
+    batch_sizes = parse_sizes(cfg["batch_sizes"], "--batch-sizes")
+    prefill_lens = parse_sizes(cfg["prefill_lens"], "--prefill-lens", allow_empty=True)
+    machine = {"matmul_peak": matmul_peak(), "read_bandwidth": read_bandwidth(),
+               "last_level_cache_bytes": last_level_cache_bytes()}
+    progress(f"machine: matmul peak {machine['matmul_peak'] / 1e9:.0f} GFLOP/s, read bandwidth "
+             f"{machine['read_bandwidth'] / 1e9:.1f} GB/s")
+    kwargs = dict(engine_kwargs)
+    longest = max([cfg["context_len"] + 8 * cfg["steps"] + 16, *[n + 1 for n in prefill_lens]])
+    kwargs["max_model_len"] = kwargs.get("max_model_len") or longest
+    kwargs["max_num_seqs"] = max(kwargs.get("max_num_seqs") or 0, max(batch_sizes))
+    # a large step budget prefills many of the decode rows' prompts at once
+    kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or 0, longest,
+                                           kwargs["max_num_seqs"], 4096)
+    if kwargs.get("num_blocks") is None and kwargs.get("kv_cache_space") is None:
+        block = kwargs.get("block_size") or 16
+        kwargs["num_blocks"] = max(batch_sizes) * (-(-longest // block) + 1) + 8
+    engine = LLMEngine(**kwargs)
+    decode = measure_decode(engine, machine, batch_sizes, cfg["context_len"], cfg["steps"], progress)
+    prefill = measure_prefill(engine, machine, prefill_lens, cfg["prefill_repeats"], progress)
+    return {"machine": machine, "decode": decode, "prefill": prefill}

@@ -1,0 +1,152 @@
+"""The speed instruments and paths of issue 15: ``bench roofline``, the linear layer's
+row-by-row path, the bandwidth probe, and the BLAS thread setting whatever the import order.
+
+Nothing here times anything against a threshold: the bench's figures are checked for
+being computed right (against the model's own arrays and the definition of the bound),
+not for being fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from minipaged.entrypoints.args import engine_kwargs
+from minipaged.entrypoints.cli import build_parser
+from minipaged.kernels import cpu, reference
+from minipaged.tools import bench, roofline
+
+
+@pytest.mark.parametrize("k,n", [(8, 16), (64, 100), (33, 7)])
+def test_linear_matches_the_spec_for_every_row_count(k, n):
+    rng = np.random.default_rng(k * n)
+    w = rng.standard_normal((k, n), dtype=np.float32)              # (in, out)
+    for rows in range(1, 65):
+        x = rng.standard_normal((rows, k), dtype=np.float32)       # (T, in)
+        got = cpu.linear(x, w)
+        assert got.shape == (rows, n) and got.dtype == np.float32
+        np.testing.assert_allclose(got, reference.linear(x, w), rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (576, 3072)])
+def test_linear_matches_the_spec_at_smollm2_shapes(k, n):
+    rng = np.random.default_rng(n)
+    w = (0.05 * rng.standard_normal((k, n))).astype(np.float32)
+    for rows in (1, 2, 3, 4, 8, 17):
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        np.testing.assert_allclose(cpu.linear(x, w), reference.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
+def test_linear_of_strided_rows_and_empty_batches():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((16, 24), dtype=np.float32)
+    x = rng.standard_normal((3, 32), dtype=np.float32)[:, ::2]      # a view, not contiguous
+    np.testing.assert_allclose(cpu.linear(x, w), reference.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert cpu.linear(np.empty((0, 16), np.float32), w).shape == (0, 24)
+
+
+def test_stream_sum_matches_the_spec():
+    rng = np.random.default_rng(2)
+    for n in (1, 17, 4096, 100_003):
+        data = rng.random(n, dtype=np.float32)
+        assert cpu.stream_sum(data) == pytest.approx(reference.stream_sum(data), rel=1e-5)
+
+
+def test_machine_probes_measure_something():
+    assert roofline.matmul_peak(n=128, repeats=2) > 1e8          # FLOP/s
+    assert roofline.read_bandwidth(nbytes=16 << 20, repeats=2) > 1e8   # bytes/s
+    assert roofline.last_level_cache_bytes() >= 1 << 20
+
+
+def run_roofline_bench(model_dir, out, monkeypatch, *extra: str) -> dict:
+    """``bench roofline`` in this process on the tiny model, the machine probes made cheap."""
+    monkeypatch.setattr(roofline, "matmul_peak", lambda: 2e10)
+    monkeypatch.setattr(roofline, "read_bandwidth", lambda: 1e10)
+    args = build_parser().parse_args([
+        "bench", "roofline", "--model", str(model_dir), "--device", "cpu", "--swap-space", "0",
+        "--log-stats-interval", "0", "--out", str(out), *extra])
+    assert bench.cmd_bench(args, engine_kwargs(args)) == 0
+    return json.loads(out.read_text())
+
+
+def test_roofline_rows_against_the_models_own_arrays(tiny_model_dir, tmp_path, monkeypatch):
+    report = run_roofline_bench(tiny_model_dir, tmp_path / "r.json", monkeypatch, "--batch-sizes", "1,3,2",
+                                "--context-len", "20", "--steps", "2", "--prefill-lens", "24,40",
+                                "--prefill-repeats", "1")
+    from minipaged.engine.llm_engine import LLMEngine   # the same model, to count its arrays
+    engine = LLMEngine(str(tiny_model_dir), device="cpu", swap_space=0, num_blocks=64)
+    model = engine.runner.model
+    layer_weights = sum(int(w.size) for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    head = int(model.lm_head.size)
+    kv = engine.cache.kv_cache                              # (layers, 2, blocks, kv_heads, block_size, head_dim)
+    kv_token_bytes = kv.nbytes // (kv.shape[2] * kv.shape[4])
+    machine = report["machine"]
+    assert machine["matmul_peak"] == 2e10 and machine["read_bandwidth"] == 1e10
+    assert [r["batch"] for r in report["decode"]] == [1, 2, 3]
+    for row in report["decode"]:
+        b = row["batch"]
+        assert row["weight_bytes"] == 4 * (layer_weights + head)
+        assert row["matmul_flops"] == 2 * b * (layer_weights + head)
+        # K and V of every context token read, and the new tokens' written
+        assert row["kv_bytes"] == pytest.approx((row["mean_context"] * b + b) * kv_token_bytes)
+        assert 20 <= row["mean_context"] <= 20 + 3 * 3
+        assert row["bound_s"] == pytest.approx(max(row["bytes"] / 1e10, row["flops"] / 2e10))
+        assert row["ratio"] == pytest.approx(row["step_s"] / row["bound_s"])
+        parts = row["breakdown_s"]
+        assert set(parts) == {"matmuls", "lm_head", "attention", "other_kernels", "sampler", "python"}
+        assert sum(parts.values()) == pytest.approx(row["step_s"], rel=1e-9)
+        assert parts["matmuls"] > 0 and parts["lm_head"] > 0 and parts["attention"] > 0
+    assert [r["prompt_len"] for r in report["prefill"]] == [24, 40]
+    for row in report["prefill"]:
+        t = row["prompt_len"]
+        assert row["matmul_flops"] == 2 * t * layer_weights + 2 * head     # one row gets logits
+        assert row["fraction_of_peak"] == pytest.approx(row["flops"] / row["step_s"] / 2e10)
+        assert sum(row["breakdown_s"].values()) == pytest.approx(row["step_s"], rel=1e-9)
+    assert report["versions"]["numpy"] == np.__version__
+
+
+def test_roofline_leaves_the_engine_whole(tiny_model_dir, tmp_path, monkeypatch):
+    """The profiler's wrappers come off again: the model's ops are the CPU kernels after it."""
+    seen = {}
+    real = roofline.measure_prefill
+
+    def spy(engine, *args, **kwargs):
+        rows = real(engine, *args, **kwargs)
+        seen["ops"], seen["sampler"] = engine.runner.model.ops, engine.sampler
+        seen["unfinished"] = engine.has_unfinished_requests()
+        return rows
+    monkeypatch.setattr(roofline, "measure_prefill", spy)
+    run_roofline_bench(tiny_model_dir, tmp_path / "r.json", monkeypatch, "--batch-sizes", "2",
+                       "--context-len", "8", "--steps", "1", "--prefill-lens", "16", "--prefill-repeats", "1")
+    assert seen["ops"] is cpu and type(seen["sampler"]).__name__ == "Sampler" and not seen["unfinished"]
+
+
+def test_blas_threads_settle_when_numpy_is_imported_first():
+    """The spin setting reaches OpenBLAS even when numpy loaded it before minipaged did."""
+    script = textwrap.dedent("""
+        import json
+        import numpy as np
+        np.ones((64, 64)) @ np.ones((64, 64))          # the pool runs, with OpenBLAS's default
+        from minipaged.engine.thread_pools import openblas_libraries, thread_timeout
+        libs = [i["filepath"] for i in openblas_libraries()]
+        before = [thread_timeout(p) for p in libs]
+        from minipaged.engine.backend import select_backend
+        select_backend("cpu", "auto")
+        a = np.arange(9.0).reshape(3, 3)
+        print(json.dumps({"before": before, "after": [thread_timeout(p) for p in libs], "a2": (a @ a)[2, 2]}))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if not result["before"]:
+        pytest.skip("numpy here does not use OpenBLAS")
+    assert all(t != 16 for t in result["before"])     # numpy came first: OpenBLAS read no setting
+    assert result["after"] == [16] * len(result["before"])
+    assert result["a2"] == 6 * 2 + 7 * 5 + 8 * 8      # and BLAS still computes, its pool restarted

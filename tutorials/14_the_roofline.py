@@ -1,0 +1,226 @@
+"""Tutorial 14: the roofline, or where a decode step's time goes.
+
+Goal: tutorial 1 argued that decode is limited by memory and prefill by arithmetic.
+Here we measure it, with the instrument behind ``python -m minipaged bench roofline``
+(minipaged/tools/roofline.py). First the machine's own limits: how many FLOP/s a large
+matrix product reaches (the arithmetic peak) and how many bytes/s a streaming read of
+more memory than the last-level cache reaches (the read bandwidth); their quotient is
+the ridge point. Then the cost of one step, counted from the model's shapes: the bytes
+it must read (every weight once, the K and V of every context token) and the FLOPs it
+must do, and so its bound, the time it could not beat even on a perfect engine:
+
+    bound = max(bytes / bandwidth, FLOPs / peak)
+
+Then real engine steps, timed against that bound and split into matrix products, the
+LM head, attention, the other kernels, the sampler and the Python around the model.
+Last, two things the measurement taught while the CPU path was made fast: a BLAS
+product of a few rows costs more than one matrix-vector product per row (so
+``kernels/cpu.py`` ``linear`` does exactly that for 2..ROW_BY_ROW_MAX_ROWS rows), and
+two thread pools on the same cores must not spin while they wait.
+
+The OS analogy: the machine's data sheet beside a profiler. ``perf`` and ``top`` tell
+you where each tick went; the data sheet tells you what the hardware could have done
+with it. Only the two together say whether a program is slow or the machine is simply
+busy moving bytes: a step at ratio 1.0 runs at the roofline, and every tick above it is
+overhead somebody can remove.
+
+Every timing depends on the machine and on what else it runs, so timings are printed,
+as ratios where they are compared, and never asserted. What is asserted is arithmetic:
+the costs counted from the model's shapes, which side of the ridge each step falls on,
+that the bound is the larger of its two terms, that each step's breakdown adds up to its
+time, and that the row-by-row ``linear`` computes what ``x @ w`` computes.
+
+Run it:  python tutorials/14_the_roofline.py
+(MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
+
+Exercises (also printed at the end):
+  1. Set ROW_BY_ROW_MAX_ROWS in kernels/cpu.py to 1 (one gemm for every batch), then to 8,
+     and rerun  python -m minipaged bench roofline --batch-sizes 1,2,3,4,8 --prefill-lens ""
+     How do the matmuls and lm_head columns of B=2..8 move? Does step 4's micro-benchmark,
+     on one weight that stays in cache, predict the whole step? Why not?
+  2. With step 2's numbers, find the batch size at which a decode step at context 128 turns
+     compute-bound on this machine: solve B x (FLOPs per sequence) = ridge x (weight bytes +
+     B x KV bytes per sequence). Is there always an answer, as the context grows? Then run
+     bench roofline at that batch size: what ratio does the engine reach there?
+"""
+
+import math
+import os
+import time
+
+from minipaged import LLMEngine  # before numpy: it sets up numpy's thread pools
+import numpy as np
+from minipaged.engine import thread_pools
+from minipaged.kernels import cpu
+from minipaged.tools import roofline
+
+MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
+CONTEXT = 128                 # tokens of context of the decode steps
+DECODE_BATCHES = (1, 2, 4)    # batch sizes measured in step 3 (2: one gemv per row; 4: one gemm)
+DECODE_STEPS = 4              # decode steps timed at each batch size
+PREFILL_LEN = 256             # the prompt of the prefill measured in step 3
+ROWS = (1, 2, 3, 4, 8)        # rows of the skinny products of step 4
+REPEATS = 100                 # step 4: the best of this many calls of each product
+PARTS = ("matmuls", "lm_head", "attention", "other_kernels", "sampler", "python")
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+print("1. The machine's limits (its data sheet, measured)")
+llc = roofline.last_level_cache_bytes()
+probe = max(4 * llc, 1 << 30)         # what read_bandwidth streams by default
+peak = roofline.matmul_peak()
+bandwidth = roofline.read_bandwidth()
+machine = {"matmul_peak": peak, "read_bandwidth": bandwidth}
+ridge = peak / bandwidth
+print(f"  arithmetic peak: a 2048 x 2048 float32 matrix product through numpy's BLAS runs at "
+      f"{peak / 1e9:.0f} GFLOP/s")
+print(f"  read bandwidth: a streaming sum over {fmt_bytes(probe)} (4x the {llc >> 20} MiB last-level "
+      f"cache, so it comes from DRAM) reads {bandwidth / 1e9:.1f} GB/s")
+print(f"  ridge point: {peak / 1e9:.0f} GFLOP/s / {bandwidth / 1e9:.1f} GB/s = {ridge:.1f} FLOP/byte")
+print("  a step doing fewer FLOPs per byte it reads waits for memory (bandwidth-bound); more, and it "
+      "waits for the arithmetic units (compute-bound)")
+assert peak > 0 and bandwidth > 0 and probe >= 4 * llc
+
+print(f"\n2. One step's bytes and FLOPs, counted from the model's shapes ({MODEL})")
+engine = LLMEngine(MODEL, device="cpu", num_blocks=128, max_model_len=512, max_num_seqs=8,
+                   max_num_batched_tokens=2048, swap_space=0)
+c = engine.model_config
+steps = {"decode B=1": roofline.step_cost(engine, [1], [CONTEXT], 1),
+         "decode B=8": roofline.step_cost(engine, [1] * 8, [CONTEXT] * 8, 8),
+         f"prefill {PREFILL_LEN}": roofline.step_cost(engine, [PREFILL_LEN], [PREFILL_LEN], 1)}
+model = engine.runner.model
+matrices = sum(int(a.size) for layer in model.layers for a in (layer.qkv, layer.o, layer.gate_up, layer.down))
+matrices += int(model.lm_head.size)
+kv_token = engine.cache.bytes_per_block // engine.cache.block_size     # K and V, every layer
+print(f"  every weight once: {matrices:,} float32 parameters in the layers' matrices and the LM head "
+      f"= {fmt_bytes(4 * matrices)}; K and V of one token: {kv_token:,} bytes")
+print(f"  {'step':14} {'reads':>9} {'of it KV':>9} {'GFLOP':>7} {'FLOP/byte':>10} {'bytes/bw ms':>12} "
+      f"{'FLOPs/peak ms':>14}  side of the ridge")
+intensity = {}
+for name, cost in steps.items():
+    intensity[name] = cost["flops"] / cost["bytes"]
+    memory_s, compute_s = cost["bytes"] / bandwidth, cost["flops"] / peak
+    side = "bandwidth-bound" if intensity[name] < ridge else "compute-bound"
+    print(f"  {name:14} {fmt_bytes(cost['bytes']):>9} {fmt_bytes(cost['kv_bytes']):>9} "
+          f"{cost['flops'] / 1e9:7.2f} {intensity[name]:10.2f} {memory_s * 1e3:12.1f} {compute_s * 1e3:14.1f}  "
+          f"{side} (ridge {ridge:.1f})")
+    assert cost["weight_bytes"] == 4 * matrices
+    assert roofline.bound(cost, machine) == max(memory_s, compute_s)
+one, eight, prefill = (intensity[name] for name in steps)
+print(f"  decode does 2 FLOPs (a multiply and an add) for each 4-byte weight it reads, about 0.5 "
+      f"FLOP/byte: {one:.2f} for one sequence, with its attention and its KV")
+print(f"  8 sequences share the weights but each reads its own KV: {eight:.2f} FLOP/byte, "
+      f"{eight / one:.1f}x, not 8x")
+print(f"  a {PREFILL_LEN}-token prompt puts {PREFILL_LEN} rows through every weight: {prefill:.0f} FLOP/byte, "
+      f"{prefill / ridge:.0f}x the ridge")
+assert 0.45 < one < 0.55               # 2 FLOPs / 4 bytes, give or take attention and the KV
+assert 6 * one < eight < 8 * one       # the KV bytes grow with the batch, the weights do not
+assert one < eight < ridge < prefill   # decode waits for memory, prefill for arithmetic
+
+print(f"\n3. Real steps against their bound (decode at context ~{CONTEXT}, a {PREFILL_LEN}-token prefill)")
+decode = roofline.measure_decode(engine, machine, list(DECODE_BATCHES), context_len=CONTEXT,
+                                 steps=DECODE_STEPS, progress=lambda line: print("  measured: " + line))
+prefills = roofline.measure_prefill(engine, machine, [PREFILL_LEN], repeats=1,
+                                    progress=lambda line: print("  measured: " + line))
+print(f"  {'step':>7} {'ctx':>4} {'step ms':>8} {'bound ms':>9} {'ratio':>6}  "
+      + " ".join(f"{p:>13}" for p in PARTS) + "   (ms per step)")
+for row in decode + prefills:
+    name = f"B={row['batch']}" if "batch" in row else f"T={row['prompt_len']}"
+    ctx = f"{row['mean_context']:4.0f}" if "batch" in row else "    "
+    print(f"  {name:>7} {ctx} {row['step_s'] * 1e3:8.1f} {row['bound_s'] * 1e3:9.1f} {row['ratio']:6.2f}  "
+          + " ".join(f"{row['breakdown_s'][p] * 1e3:13.2f}" for p in PARTS))
+    parts = row["breakdown_s"]
+    assert set(parts) == set(PARTS)
+    assert math.isclose(sum(parts.values()), row["step_s"], rel_tol=1e-9)   # every tick accounted for
+    assert row["bound_s"] == max(row["bytes"] / bandwidth, row["flops"] / peak)
+    assert math.isclose(row["ratio"], row["step_s"] / row["bound_s"])
+assert [row["batch"] for row in decode] == list(DECODE_BATCHES)
+assert all(row["bound_s"] == row["bytes"] / bandwidth for row in decode)           # memory's side
+assert prefills[0]["bound_s"] == prefills[0]["flops"] / peak                       # arithmetic's side
+print("  ratio = step / bound: 1.00 would be the roofline")
+print("  the breakdown adds up to the step: matmuls (the layers' products), the LM head's product, "
+      "attention, the other kernels (norms, rotary, SwiGLU, KV writes), the sampler, and the Python "
+      "around the model (scheduler, inputs, outputs)")
+b1 = decode[0]
+share = (b1["breakdown_s"]["matmuls"] + b1["breakdown_s"]["lm_head"]) / b1["step_s"]
+print(f"  at B=1 the matrix products take {share:.0%} of the step and stream the weights at "
+      f"{b1['weight_bytes'] / (b1['breakdown_s']['matmuls'] + b1['breakdown_s']['lm_head']) / 1e9:.1f} GB/s "
+      f"(the probe read {bandwidth / 1e9:.1f} GB/s): decode is reading weights")
+for row in decode[1:]:
+    mm = (row["breakdown_s"]["matmuls"] + row["breakdown_s"]["lm_head"]) / (b1["breakdown_s"]["matmuls"]
+                                                                          + b1["breakdown_s"]["lm_head"])
+    path = "one gemv per row" if row["batch"] <= cpu.ROW_BY_ROW_MAX_ROWS else "one gemm"
+    print(f"  B={row['batch']}: {row['bound_s'] / b1['bound_s']:.2f}x the bound of B=1, its matrix products "
+          f"{mm:.2f}x the time of B=1's (linear: {path}, step 4)")
+print(f"  the prefill reaches {100 * prefills[0]['fraction_of_peak']:.0f}% of the matmul peak: "
+      f"{prefills[0]['gflop_s']:.0f} GFLOP/s")
+
+print("\n4. Skinny matrices: a few rows through one weight")
+w = model.layers[0].gate_up                 # (hidden, 2 x ffn): the FFN's fused gate and up projections
+rng = np.random.default_rng(0)
+xs = {m: rng.standard_normal((m, w.shape[0]), dtype=np.float32) for m in ROWS}   # (M, hidden)
+for m, x in xs.items():
+    np.testing.assert_allclose(cpu.linear(x, w), x @ w, rtol=1e-4, atol=1e-4)     # the same product
+best = {(m, how): math.inf for m in ROWS for how in ("x @ w", "linear")}
+for _ in range(REPEATS):                    # interleaved: a busy moment slows every case alike
+    for m, x in xs.items():
+        for how, fn in (("x @ w", lambda: x @ w), ("linear", lambda: cpu.linear(x, w))):
+            start = time.perf_counter()
+            fn()
+            best[m, how] = min(best[m, how], time.perf_counter() - start)
+base = best[1, "x @ w"]
+print(f"  the weight: {w.shape[0]} x {w.shape[1]} {w.dtype} ({fmt_bytes(w.nbytes)}), "
+      f"the best of {REPEATS} calls, as a ratio to one row through x @ w ({base * 1e3:.3f} ms)")
+print(f"  {'rows':>4} {'x @ w':>7} {'linear':>7}  linear's path (ROW_BY_ROW_MAX_ROWS = {cpu.ROW_BY_ROW_MAX_ROWS})")
+for m in ROWS:
+    path = "one gemv per row" if 2 <= m <= cpu.ROW_BY_ROW_MAX_ROWS else ("gemv" if m == 1 else "one gemm")
+    print(f"  {m:4} {best[m, 'x @ w'] / base:6.2f}x {best[m, 'linear'] / base:6.2f}x  {path}")
+print("  one row is a matrix-vector product (gemv): it streams the weight once, as it lies. From two "
+      "rows on, x @ w is a matrix-matrix product (gemm): OpenBLAS first packs the weight into its own "
+      "tiled layout, which pays off for many rows, not for two or three")
+print(f"  here, in cache, one gemv per row costs about rows x one row ({best[2, 'linear'] / base:.1f}x for 2), "
+      f"while the gemm costs about as much for 2 rows as for 8 ({best[2, 'x @ w'] / base:.1f}x and "
+      f"{best[8, 'x @ w'] / base:.1f}x): the packing, not the arithmetic")
+print(f"  so linear runs one gemv per row for 2..{cpu.ROW_BY_ROW_MAX_ROWS} rows, and a gemm otherwise")
+fits = w.nbytes < llc
+where = ("fits in the {} MiB last-level cache: after the first call it is read from cache" if fits else
+         "does not fit in the {} MiB last-level cache, yet part of it stays there from call to call")
+print(f"  but this {fmt_bytes(w.nbytes)} weight {where.format(llc >> 20)} "
+      f"({w.nbytes / base / 1e9:.0f} GB/s for one row here, against {bandwidth / 1e9:.1f} GB/s from DRAM)")
+spills = b1["weight_bytes"] > llc
+print(f"  a whole decode step reads {fmt_bytes(b1['weight_bytes'])} of weights, "
+      f"{'more' if spills else 'less'} than the {llc >> 20} MiB that cache holds, so in a real step "
+      f"{'every row after the first finds only part of the weights still in cache' if spills else 'the other weights and the KV cache compete for it'}: "
+      "that is why bench roofline times whole steps (step 3), and why ROW_BY_ROW_MAX_ROWS was chosen from them")
+
+print("\n5. Two thread pools on the same cores")
+libraries = thread_pools.openblas_libraries()
+wanted = int(os.environ.get("OPENBLAS_THREAD_TIMEOUT", thread_pools.THREAD_TIMEOUT))
+for info in libraries:
+    timeout = thread_pools.thread_timeout(info["filepath"])
+    print(f"  OpenBLAS {info.get('version')} ({os.path.basename(info['filepath'])}), "
+          f"{info.get('num_threads')} threads: thread_timeout = {timeout}")
+    assert timeout in (None, wanted)        # None: this OpenBLAS cannot report it
+if not libraries:
+    print("  numpy here does not use OpenBLAS: nothing to settle")
+print(f"  minipaged sets {thread_pools.THREAD_TIMEOUT} (OpenBLAS's threads spin 2**16 cycles, about 25 us, "
+      f"then sleep; OpenBLAS's default is 2**28) and OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} "
+      "for Numba's pool")
+print("  why: numpy's BLAS and our Numba kernels each keep a pool of threads on the same cores, and a "
+      "pool that busy-waits after its work steals the cores the other needs next, like two processes "
+      "spinning on one CPU (a 0.5 ms matmul once took 9 ms after a parallel kernel)")
+
+print("\n6. The full table")
+print("  python -m minipaged bench roofline    decode at B = 1, 2, 4, 8, 16, 32, 64 and prefills of "
+      "256 and 2048 tokens, against the same bound, with the same breakdown (--out keeps it as JSON)")
+print("  docs/benchmarks.md records the figures measured on the reference machine")
+
+print("\nDone: decode reads every weight for a few FLOPs and waits for memory; prefill waits for "
+      "arithmetic; the breakdown says where the rest of each step goes.")
+print("\nExercises:\n" + __doc__.split("Exercises (also printed at the end):\n")[1].split("\n\n")[0].rstrip())
