@@ -21,12 +21,18 @@ from .layout import AttentionMetadata
 
 xp = np  # the array module this backend computes with
 
-# Waking a pool of threads costs tens of microseconds, more than a decode step's
-# elementwise work; below this many elements a kernel runs on the calling thread.
+# Waking a pool of threads costs tens of microseconds (an empty parallel kernel: ~70 us
+# once its threads sleep, ~2 us while they still spin; 2-core Xeon), more than a decode
+# step's elementwise work; below this many elements a kernel runs on the calling thread.
 PARALLEL_MIN_ELEMENTS = 1 << 16
+# Decode attention's work estimate (query tokens x context x 8) above which it is worth
+# waking the pool: serial attention costs ~27 ns a unit, so from ~5,000 units half the work
+# saves more than the wake-up. At 16 sequences of 284 tokens (36,352 units), serial: 29.6 ms
+# a step; threaded: 15 ms.
+ATTENTION_PARALLEL_MIN_WORK = 1 << 13
 
 
-def two_ways(fn):
+def two_ways(fn, min_work: str = "PARALLEL_MIN_ELEMENTS"):
     """Compile ``fn`` twice: serial (prange acts as range) and across threads.
 
     The serial copy gets its own name: Numba's on-disk cache is keyed by the
@@ -38,7 +44,7 @@ def two_ways(fn):
     twin.__qualname__ = fn.__qualname__ + "_serial"
     serial = njit(fastmath=True, cache=True)(twin)
     parallel = njit(fastmath=True, cache=True, parallel=True)(fn)
-    return lambda work: parallel if work >= PARALLEL_MIN_ELEMENTS else serial
+    return lambda work: parallel if work >= globals()[min_work] else serial   # the threshold named
 
 # A thread walks a sequence's K/V blocks once for a tile of up to QUERY_TILE
 # query tokens (times the GQA group), so each block it loads serves them all.
@@ -149,7 +155,7 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
                     out[t0 + r // num_heads, r % num_heads, d] = acc[r, d] * inv
 
 
-_paged_attention = two_ways(_paged_attention_body)
+_paged_attention = two_ways(_paged_attention_body, "ATTENTION_PARALLEL_MIN_WORK")
 
 # Queries per sequence from which the two attention products go to BLAS instead.
 BLAS_MIN_QUERIES = 32
@@ -267,27 +273,65 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 
 # --------------------------------------------------------------------------- matrix products
 
-# A BLAS matrix-matrix product of a few rows costs far more than its rows' matrix-vector
-# products: OpenBLAS packs the whole weight into its own layout first, and its kernels are
-# tiled for many rows. Over one decode step of SmolLM2 (538 MB of weights, 2-core Xeon,
-# OpenBLAS 0.3.31), every product took 23 ms for 1 row, 61 ms for 2 rows and 62 ms for 4;
-# one gemv per row took 37 ms for 2 rows and 56 ms for 4 (the second row finds part of the
-# weights still in cache). So up to this many rows, each row is its own gemv.
-ROW_BY_ROW_MAX_ROWS = 3
+# A BLAS matrix-matrix product of a few rows costs far more than reading the weight once:
+# OpenBLAS packs the whole weight into its own layout first, and its kernels are tiled for
+# many rows. Over one decode step of SmolLM2 (538 MB of weights, 2-core Xeon, OpenBLAS
+# 0.3.31), every product together took 23 ms for 1 row (a gemv: the weights streamed at
+# the memory's speed) but 58-66 ms for 2 to 16 rows. ``_skinny_linear`` reads each
+# weight row once for all rows: 26 ms for 2 rows, 30 for 4, 33 for 8, 51 for 16; from
+# about 24 rows BLAS wins again.
+SKINNY_MAX_ROWS = 16
+
+
+@njit(fastmath=True, parallel=True, cache=True)
+def _skinny_linear(x, w, out, chunks):
+    rows, k_dim = x.shape
+    n_dim = w.shape[0]
+    step = -(-n_dim // chunks)
+    for c in prange(chunks):                      # each thread: a run of output features
+        for n in range(c * step, min(n_dim, (c + 1) * step)):
+            # weight row n (in,) is read from memory once, then stays in L1 for every x row;
+            # four rows at a time keep four dot products in registers (fastmath lets LLVM
+            # vectorise the sums over k)
+            m = 0
+            while m + 4 <= rows:
+                s0 = np.float32(0.0)
+                s1 = np.float32(0.0)
+                s2 = np.float32(0.0)
+                s3 = np.float32(0.0)
+                for k in range(k_dim):
+                    wk = w[n, k]
+                    s0 += x[m, k] * wk
+                    s1 += x[m + 1, k] * wk
+                    s2 += x[m + 2, k] * wk
+                    s3 += x[m + 3, k] * wk
+                out[m, n] = s0
+                out[m + 1, n] = s1
+                out[m + 2, n] = s2
+                out[m + 3, n] = s3
+                m += 4
+            while m < rows:
+                s0 = np.float32(0.0)
+                for k in range(k_dim):
+                    s0 += x[m, k] * w[n, k]
+                out[m, n] = s0
+                m += 1
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """A linear layer: x (T, in) @ w (in, out) -> (T, out).
+    """A linear layer: x (T, in) times w (out, in), the checkpoint's layout -> (T, out).
 
-    BLAS either way: a gemv per row for 2..ROW_BY_ROW_MAX_ROWS rows, one gemm otherwise.
+    2..SKINNY_MAX_ROWS rows of float32 go to ``_skinny_linear``, which streams each weight
+    row once for all of them; one row (BLAS's gemv) and many rows (BLAS's gemm) go to
+    numpy's BLAS, which reads w transposed in place.
     """
     rows = x.shape[0]
-    if rows < 2 or rows > ROW_BY_ROW_MAX_ROWS:
-        return x @ w
-    out = np.empty((rows, w.shape[1]), dtype=np.result_type(x, w))    # (T, out)
-    for t in range(rows):
-        np.matmul(x[t], w, out=out[t])
-    return out
+    if 2 <= rows <= SKINNY_MAX_ROWS and x.dtype == np.float32 and w.dtype == np.float32:
+        x = np.ascontiguousarray(x)
+        out = np.empty((rows, w.shape[0]), dtype=np.float32)          # (T, out)
+        _skinny_linear(x, w, out, 4 * get_num_threads())
+        return out
+    return x @ w.T
 
 
 # --------------------------------------------------------------------------- streaming read

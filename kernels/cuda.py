@@ -114,8 +114,9 @@ class CudaOps:
 
     # ------------------------------------------------------------------ matrix products
     def linear(self, x, w):
-        """x (T, in) @ w (in, out) -> (T, out): cuBLAS through CuPy (NumPy's BLAS in the harness)."""
-        return x @ w
+        """x (T, in) times w (out, in) -> x @ w.T, (T, out): cuBLAS through CuPy, which reads
+        the transposed view in place (NumPy's BLAS in the harness)."""
+        return x @ w.T
 
     # ------------------------------------------------------------------ fused elementwise
     def rms_norm(self, x, weight, eps: float):

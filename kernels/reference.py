@@ -86,10 +86,11 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """A linear layer without bias: x (T, in) @ w (in, out) -> (T, out), summed in float64."""
-    out = np.zeros((x.shape[0], w.shape[1]), dtype=np.float64)   # (T, out)
+    """A linear layer without bias: x (T, in), w (out, in) as checkpoints store it ->
+    x @ w.T, (T, out), summed in float64."""
+    out = np.zeros((x.shape[0], w.shape[0]), dtype=np.float64)   # (T, out)
     for i in range(x.shape[1]):
-        out += np.outer(x[:, i].astype(np.float64), w[i].astype(np.float64))
+        out += np.outer(x[:, i].astype(np.float64), w[:, i].astype(np.float64))
     return out.astype(x.dtype)
 
 

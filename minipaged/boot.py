@@ -13,12 +13,15 @@ import sys
 
 # BLAS (numpy's matmuls) and Numba (our kernels) each keep a pool of threads on
 # the same few cores, and each pool busy-waits after its work, stealing the cores
-# the other needs next: a 0.5 ms matmul took 9 ms after a parallel kernel, and
-# decode attention ran at half speed between matmuls. So Numba's OpenMP threads
-# sleep at once (read when Numba starts its pool, at the first parallel kernel),
-# and OpenBLAS threads spin only 2**16 cycles (~25 us) before sleeping (read when
-# numpy loads OpenBLAS: this only takes effect if minipaged is imported first).
-THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# the other needs next: a 0.5 ms matmul took 9 ms after a parallel kernel whose
+# threads spun for their default time. Sleeping at once is no better: waking a
+# sleeping pool costs ~70 us, more than many decode kernels take. So each pool
+# spins briefly, then sleeps: Numba's OpenMP threads (GNU libgomp, Numba's pip
+# wheels) spin 3,000 rounds (~30-100 us; LLVM's libomp, elsewhere, sleeps at once),
+# read when Numba starts its pool at the first parallel kernel; OpenBLAS threads
+# spin 2**16 cycles (~25 us), read when numpy loads OpenBLAS, and again by
+# engine/thread_pools.py if numpy came first.
+THREAD_ENV = {"GOMP_SPINCOUNT": "3000", "KMP_BLOCKTIME": "0"}
 if "numpy" not in sys.modules:
     THREAD_ENV["OPENBLAS_THREAD_TIMEOUT"] = "16"
 THREAD_ENV = {k: v for k, v in THREAD_ENV.items() if k not in os.environ}  # the user's choice wins

@@ -25,11 +25,11 @@ from .rope import rope_tables
 @dataclass
 class LayerWeights:
     input_norm: np.ndarray  # (hidden,)
-    qkv: np.ndarray         # (hidden, q_size + 2 * kv_size)  [q | k | v], laid out for x @ W
-    o: np.ndarray           # (q_size, hidden)
+    qkv: np.ndarray         # (q_size + 2 * kv_size, hidden)  rows [q | k | v], (out, in) as stored
+    o: np.ndarray           # (hidden, q_size)
     post_norm: np.ndarray   # (hidden,)
-    gate_up: np.ndarray     # (hidden, 2 * ffn)  [gate | up]
-    down: np.ndarray        # (ffn, hidden)
+    gate_up: np.ndarray     # (2 * ffn, hidden)  rows [gate | up]
+    down: np.ndarray        # (hidden, ffn)
 
 
 def _get(tensors: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -56,28 +56,27 @@ class LlamaModel:
         embed = _get(tensors, "model.embed_tokens.weight", (c.vocab_size, h))
         self.embed = put(embed)                                                    # (vocab, hidden)
         tied = c.tie_word_embeddings or "lm_head.weight" not in tensors
-        head = embed if tied else _get(tensors, "lm_head.weight", (c.vocab_size, h))
-        # A transposed copy even when tied: x @ W with W (hidden, vocab) streams the
-        # weights twice as fast as x @ W.T on the CPU, and the head is 1/5 of the model.
-        self.lm_head = put(head.T)                                                 # (hidden, vocab)
+        # Every linear weight stays (out, in), the checkpoint's layout: ops.linear reads a
+        # weight row per output feature. Tied, the head is the embedding itself.
+        self.lm_head = self.embed if tied else put(_get(tensors, "lm_head.weight", (c.vocab_size, h)))  # (vocab, hidden)
         self.final_norm = put(_get(tensors, "model.norm.weight", (h,)))
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            # HF stores linear weights as (out, in); fuse q/k/v and gate/up and
-            # transpose once here, so each step is one contiguous x @ W per fused weight.
+            # HF stores linear weights as (out, in); q/k/v and gate/up are fused by stacking
+            # their rows, so each step is one product per fused weight.
             qkv = np.concatenate([_get(tensors, p + "self_attn.q_proj.weight", (q, h)),
                                   _get(tensors, p + "self_attn.k_proj.weight", (kv, h)),
-                                  _get(tensors, p + "self_attn.v_proj.weight", (kv, h))]).T
+                                  _get(tensors, p + "self_attn.v_proj.weight", (kv, h))])
             gate_up = np.concatenate([_get(tensors, p + "mlp.gate_proj.weight", (ffn, h)),
-                                      _get(tensors, p + "mlp.up_proj.weight", (ffn, h))]).T
+                                      _get(tensors, p + "mlp.up_proj.weight", (ffn, h))])
             self.layers.append(LayerWeights(
                 input_norm=put(_get(tensors, p + "input_layernorm.weight", (h,))),
                 qkv=put(qkv),
-                o=put(_get(tensors, p + "self_attn.o_proj.weight", (h, q)).T),
+                o=put(_get(tensors, p + "self_attn.o_proj.weight", (h, q))),
                 post_norm=put(_get(tensors, p + "post_attention_layernorm.weight", (h,))),
                 gate_up=put(gate_up),
-                down=put(_get(tensors, p + "mlp.down_proj.weight", (h, ffn)).T),
+                down=put(_get(tensors, p + "mlp.down_proj.weight", (h, ffn))),
             ))
         cos, sin = rope_tables(c, max_positions or c.max_position_embeddings)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)  # (max_positions, head_dim // 2)
@@ -89,7 +88,7 @@ class LlamaModel:
         arrays = [self.embed, self.lm_head, self.final_norm, self.cos, self.sin]
         for layer in self.layers:
             arrays += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
-        return sum(int(a.nbytes) for a in arrays)
+        return sum(int(a.nbytes) for a in {id(a): a for a in arrays}.values())   # a tied head once
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices):
         """Run T new tokens through the model; return logits only where they are needed.

@@ -26,7 +26,7 @@ from minipaged.tools import bench, roofline
 @pytest.mark.parametrize("k,n", [(8, 16), (64, 100), (33, 7)])
 def test_linear_matches_the_spec_for_every_row_count(k, n):
     rng = np.random.default_rng(k * n)
-    w = rng.standard_normal((k, n), dtype=np.float32)              # (in, out)
+    w = rng.standard_normal((n, k), dtype=np.float32)              # (out, in)
     for rows in range(1, 65):
         x = rng.standard_normal((rows, k), dtype=np.float32)       # (T, in)
         got = cpu.linear(x, w)
@@ -37,18 +37,20 @@ def test_linear_matches_the_spec_for_every_row_count(k, n):
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (576, 3072)])
 def test_linear_matches_the_spec_at_smollm2_shapes(k, n):
     rng = np.random.default_rng(n)
-    w = (0.05 * rng.standard_normal((k, n))).astype(np.float32)
-    for rows in (1, 2, 3, 4, 8, 17):
+    w = (0.05 * rng.standard_normal((n, k))).astype(np.float32)    # (out, in)
+    for rows in (1, 2, 3, 4, 5, 8, 16, 17):
         x = rng.standard_normal((rows, k), dtype=np.float32)
         np.testing.assert_allclose(cpu.linear(x, w), reference.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
 def test_linear_of_strided_rows_and_empty_batches():
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((16, 24), dtype=np.float32)
+    w = rng.standard_normal((24, 16), dtype=np.float32)             # (out, in)
     x = rng.standard_normal((3, 32), dtype=np.float32)[:, ::2]      # a view, not contiguous
     np.testing.assert_allclose(cpu.linear(x, w), reference.linear(x, w), rtol=1e-5, atol=1e-5)
     assert cpu.linear(np.empty((0, 16), np.float32), w).shape == (0, 24)
+    x64 = rng.standard_normal((4, 16))                               # float64 rows: BLAS, same answer
+    np.testing.assert_allclose(cpu.linear(x64, w), x64 @ w.T.astype(np.float64), rtol=1e-6)
 
 
 def test_stream_sum_matches_the_spec():

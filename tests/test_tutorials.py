@@ -192,6 +192,12 @@ def test_t14_the_roofline():
     assert "8 sequences share the weights but each reads its own KV: 3.79 FLOP/byte, 7.4x, not 8x" in out
     assert "measured: prefilled 4 x 128 tokens in" in out and "measured: prefill 256:" in out
     assert re.search(r"\n +B=1 +\d+ +[\d.]+ +[\d.]+ +[\d.]+ ", out) and re.search(r"\n +T=256 +[\d.]+ ", out)
-    assert re.search(r"so linear runs one gemv per row for 2\.\.\d+ rows, and a gemm otherwise", out)
-    assert "minipaged sets 16 (OpenBLAS's threads spin 2**16 cycles" in out
+    assert "the LM head is tied: the embedding matrix itself, read once per step (49,152 x 576)" in out
+    assert re.search(r"\n +B=2: [\d.]+x the bound of B=1, .*\(linear: skinny kernel, step 4\)", out)
+    assert "the weight: 3072 x 576 float32 (7.1 MB)" in out
+    assert re.search(r"\n +1 +1\.00x +[\d.]+x +BLAS gemv\n +2 +[\d.]+x +[\d.]+x +skinny kernel\n", out)
+    assert re.search(r"\n +16 +[\d.]+x +[\d.]+x +skinny kernel\n +24 +[\d.]+x +[\d.]+x +BLAS gemm\n", out)
+    assert re.search(r"so linear runs the skinny kernel for 2\.\.\d+ rows, and BLAS otherwise", out)
+    assert "minipaged sets OPENBLAS_THREAD_TIMEOUT=16 (OpenBLAS's threads spin 2**16 cycles" in out
+    assert re.search(r"for Numba's OpenMP pool, GOMP_SPINCOUNT=\d+ .* KMP_BLOCKTIME=\d+", out)
     assert "python -m minipaged bench roofline" in out

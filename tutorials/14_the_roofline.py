@@ -14,9 +14,11 @@ must do, and so its bound, the time it could not beat even on a perfect engine:
 Then real engine steps, timed against that bound and split into matrix products, the
 LM head, attention, the other kernels, the sampler and the Python around the model.
 Last, two things the measurement taught while the CPU path was made fast: a BLAS
-product of a few rows costs more than one matrix-vector product per row (so
-``kernels/cpu.py`` ``linear`` does exactly that for 2..ROW_BY_ROW_MAX_ROWS rows), and
-two thread pools on the same cores must not spin while they wait.
+product of a few rows costs far more than reading the weight once (OpenBLAS packs the
+whole weight into its own layout first), so ``kernels/cpu.py`` ``linear`` sends
+2..SKINNY_MAX_ROWS rows to a Numba kernel, ``_skinny_linear``, that streams each weight
+row once for all of them; and two thread pools on the same cores must spin only briefly
+while they wait, then sleep.
 
 The OS analogy: the machine's data sheet beside a profiler. ``perf`` and ``top`` tell
 you where each tick went; the data sheet tells you what the hardware could have done
@@ -28,16 +30,18 @@ Every timing depends on the machine and on what else it runs, so timings are pri
 as ratios where they are compared, and never asserted. What is asserted is arithmetic:
 the costs counted from the model's shapes, which side of the ridge each step falls on,
 that the bound is the larger of its two terms, that each step's breakdown adds up to its
-time, and that the row-by-row ``linear`` computes what ``x @ w`` computes.
+time, and that ``linear`` computes what ``x @ w.T`` computes (weights are stored as the
+checkpoint has them, (out, in)).
 
 Run it:  python tutorials/14_the_roofline.py
 (MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
 
 Exercises (also printed at the end):
-  1. Set ROW_BY_ROW_MAX_ROWS in kernels/cpu.py to 1 (one gemm for every batch), then to 8,
-     and rerun  python -m minipaged bench roofline --batch-sizes 1,2,3,4,8 --prefill-lens ""
-     How do the matmuls and lm_head columns of B=2..8 move? Does step 4's micro-benchmark,
-     on one weight that stays in cache, predict the whole step? Why not?
+  1. Set SKINNY_MAX_ROWS in kernels/cpu.py to 1 (every batch goes to BLAS), then to 32, and
+     rerun  python -m minipaged bench roofline --batch-sizes 1,2,4,8,16,32 --prefill-lens ""
+     How do the matmuls and lm_head columns of B=2..32 move? From which batch size is BLAS's
+     gemm the faster again? Does step 4's micro-benchmark, on one weight that stays in
+     cache, predict the whole step? Why not?
   2. With step 2's numbers, find the batch size at which a decode step at context 128 turns
      compute-bound on this machine: solve B x (FLOPs per sequence) = ridge x (weight bytes +
      B x KV bytes per sequence). Is there always an answer, as the context grows? Then run
@@ -50,18 +54,26 @@ import time
 
 from minipaged import LLMEngine  # before numpy: it sets up numpy's thread pools
 import numpy as np
+import numba
 from minipaged.engine import thread_pools
 from minipaged.kernels import cpu
 from minipaged.tools import roofline
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
 CONTEXT = 128                 # tokens of context of the decode steps
-DECODE_BATCHES = (1, 2, 4)    # batch sizes measured in step 3 (2: one gemv per row; 4: one gemm)
+DECODE_BATCHES = (1, 2, 4)    # batch sizes measured in step 3 (1: BLAS's gemv; 2, 4: the skinny kernel)
 DECODE_STEPS = 4              # decode steps timed at each batch size
 PREFILL_LEN = 256             # the prompt of the prefill measured in step 3
-ROWS = (1, 2, 3, 4, 8)        # rows of the skinny products of step 4
+ROWS = (1, 2, 3, 4, 8, 16, 24, 32)   # rows of the skinny products of step 4 (24, 32: past SKINNY_MAX_ROWS)
 REPEATS = 100                 # step 4: the best of this many calls of each product
 PARTS = ("matmuls", "lm_head", "attention", "other_kernels", "sampler", "python")
+
+
+def linear_path(rows: int) -> str:
+    """Which product kernels.cpu.linear runs for this many float32 rows."""
+    if rows == 1:
+        return "BLAS gemv"
+    return "skinny kernel" if rows <= cpu.SKINNY_MAX_ROWS else "BLAS gemm"
 
 
 def fmt_bytes(n: float) -> str:
@@ -95,11 +107,18 @@ steps = {"decode B=1": roofline.step_cost(engine, [1], [CONTEXT], 1),
          "decode B=8": roofline.step_cost(engine, [1] * 8, [CONTEXT] * 8, 8),
          f"prefill {PREFILL_LEN}": roofline.step_cost(engine, [PREFILL_LEN], [PREFILL_LEN], 1)}
 model = engine.runner.model
+# every matrix is stored (out, in), as the checkpoint has it; .size does not care which way.
+# Tied, the LM head is the embedding matrix itself (model.lm_head is model.embed): counted once.
 matrices = sum(int(a.size) for layer in model.layers for a in (layer.qkv, layer.o, layer.gate_up, layer.down))
 matrices += int(model.lm_head.size)
+assert model.lm_head.shape == (c.vocab_size, c.hidden_size)                   # (out, in)
+tied = model.lm_head is model.embed
 kv_token = engine.cache.bytes_per_block // engine.cache.block_size     # K and V, every layer
 print(f"  every weight once: {matrices:,} float32 parameters in the layers' matrices and the LM head "
       f"= {fmt_bytes(4 * matrices)}; K and V of one token: {kv_token:,} bytes")
+print(f"  the LM head is {'tied: the embedding matrix itself, read once per step' if tied else 'its own matrix'} "
+      f"({model.lm_head.shape[0]:,} x {model.lm_head.shape[1]}); the embedding lookup reads only the rows of "
+      "the step's tokens")
 print(f"  {'step':14} {'reads':>9} {'of it KV':>9} {'GFLOP':>7} {'FLOP/byte':>10} {'bytes/bw ms':>12} "
       f"{'FLOPs/peak ms':>14}  side of the ridge")
 intensity = {}
@@ -155,39 +174,43 @@ print(f"  at B=1 the matrix products take {share:.0%} of the step and stream the
 for row in decode[1:]:
     mm = (row["breakdown_s"]["matmuls"] + row["breakdown_s"]["lm_head"]) / (b1["breakdown_s"]["matmuls"]
                                                                           + b1["breakdown_s"]["lm_head"])
-    path = "one gemv per row" if row["batch"] <= cpu.ROW_BY_ROW_MAX_ROWS else "one gemm"
     print(f"  B={row['batch']}: {row['bound_s'] / b1['bound_s']:.2f}x the bound of B=1, its matrix products "
-          f"{mm:.2f}x the time of B=1's (linear: {path}, step 4)")
+          f"{mm:.2f}x the time of B=1's (linear: {linear_path(row['batch'])}, step 4)")
 print(f"  the prefill reaches {100 * prefills[0]['fraction_of_peak']:.0f}% of the matmul peak: "
       f"{prefills[0]['gflop_s']:.0f} GFLOP/s")
 
 print("\n4. Skinny matrices: a few rows through one weight")
-w = model.layers[0].gate_up                 # (hidden, 2 x ffn): the FFN's fused gate and up projections
+w = model.layers[0].gate_up                 # (2 x ffn, hidden), (out, in): the FFN's fused gate and up projections
+assert w.shape == (2 * c.intermediate_size, c.hidden_size)
 rng = np.random.default_rng(0)
-xs = {m: rng.standard_normal((m, w.shape[0]), dtype=np.float32) for m in ROWS}   # (M, hidden)
+xs = {m: rng.standard_normal((m, w.shape[1]), dtype=np.float32) for m in ROWS}   # (M, hidden)
 for m, x in xs.items():
-    np.testing.assert_allclose(cpu.linear(x, w), x @ w, rtol=1e-4, atol=1e-4)     # the same product
-best = {(m, how): math.inf for m in ROWS for how in ("x @ w", "linear")}
+    np.testing.assert_allclose(cpu.linear(x, w), x @ w.T, rtol=1e-4, atol=1e-4)   # the same product
+best = {(m, how): math.inf for m in ROWS for how in ("BLAS", "linear")}
 for _ in range(REPEATS):                    # interleaved: a busy moment slows every case alike
     for m, x in xs.items():
-        for how, fn in (("x @ w", lambda: x @ w), ("linear", lambda: cpu.linear(x, w))):
+        for how, fn in (("BLAS", lambda: x @ w.T), ("linear", lambda: cpu.linear(x, w))):
             start = time.perf_counter()
             fn()
             best[m, how] = min(best[m, how], time.perf_counter() - start)
-base = best[1, "x @ w"]
+base = best[1, "BLAS"]
 print(f"  the weight: {w.shape[0]} x {w.shape[1]} {w.dtype} ({fmt_bytes(w.nbytes)}), "
-      f"the best of {REPEATS} calls, as a ratio to one row through x @ w ({base * 1e3:.3f} ms)")
-print(f"  {'rows':>4} {'x @ w':>7} {'linear':>7}  linear's path (ROW_BY_ROW_MAX_ROWS = {cpu.ROW_BY_ROW_MAX_ROWS})")
+      f"the best of {REPEATS} calls, as a ratio to one row through x @ w.T ({base * 1e3:.3f} ms)")
+print(f"  {'rows':>4} {'x @ w.T':>8} {'linear':>7}  linear's path (SKINNY_MAX_ROWS = {cpu.SKINNY_MAX_ROWS})")
 for m in ROWS:
-    path = "one gemv per row" if 2 <= m <= cpu.ROW_BY_ROW_MAX_ROWS else ("gemv" if m == 1 else "one gemm")
-    print(f"  {m:4} {best[m, 'x @ w'] / base:6.2f}x {best[m, 'linear'] / base:6.2f}x  {path}")
-print("  one row is a matrix-vector product (gemv): it streams the weight once, as it lies. From two "
-      "rows on, x @ w is a matrix-matrix product (gemm): OpenBLAS first packs the weight into its own "
-      "tiled layout, which pays off for many rows, not for two or three")
-print(f"  here, in cache, one gemv per row costs about rows x one row ({best[2, 'linear'] / base:.1f}x for 2), "
-      f"while the gemm costs about as much for 2 rows as for 8 ({best[2, 'x @ w'] / base:.1f}x and "
-      f"{best[8, 'x @ w'] / base:.1f}x): the packing, not the arithmetic")
-print(f"  so linear runs one gemv per row for 2..{cpu.ROW_BY_ROW_MAX_ROWS} rows, and a gemm otherwise")
+    print(f"  {m:4} {best[m, 'BLAS'] / base:7.2f}x {best[m, 'linear'] / base:6.2f}x  {linear_path(m)}")
+print("  one row through x @ w.T is a matrix-vector product (gemv): it streams the weight once, as it "
+      "lies. From two rows on it is a matrix-matrix product (gemm): OpenBLAS first packs the weight into "
+      "its own tiled layout, which pays off for many rows, not for a few")
+print("  the skinny kernel (_skinny_linear, Numba) reads each weight row once for all the rows: four rows' "
+      "dot products at a time in registers, the threads splitting the output features")
+skinny = [m for m in ROWS if linear_path(m) == "skinny kernel"]
+wins = [m for m in skinny if best[m, "linear"] < best[m, "BLAS"]]
+print(f"  here, in cache, the skinny kernel beats the gemm at {len(wins)} of its {len(skinny)} row counts "
+      f"({best[2, 'linear'] / base:.1f}x against {best[2, 'BLAS'] / base:.1f}x for 2 rows, "
+      f"{best[16, 'linear'] / base:.1f}x against {best[16, 'BLAS'] / base:.1f}x for 16)")
+print(f"  so linear runs the skinny kernel for 2..{cpu.SKINNY_MAX_ROWS} rows, and BLAS otherwise "
+      "(gemv for one row, gemm for more)")
 fits = w.nbytes < llc
 where = ("fits in the {} MiB last-level cache: after the first call it is read from cache" if fits else
          "does not fit in the {} MiB last-level cache, yet part of it stays there from call to call")
@@ -197,7 +220,10 @@ spills = b1["weight_bytes"] > llc
 print(f"  a whole decode step reads {fmt_bytes(b1['weight_bytes'])} of weights, "
       f"{'more' if spills else 'less'} than the {llc >> 20} MiB that cache holds, so in a real step "
       f"{'every row after the first finds only part of the weights still in cache' if spills else 'the other weights and the KV cache compete for it'}: "
-      "that is why bench roofline times whole steps (step 3), and why ROW_BY_ROW_MAX_ROWS was chosen from them")
+      "that is why bench roofline times whole steps (step 3), and why SKINNY_MAX_ROWS was chosen from them")
+print("  kernels/cpu.py records them (one decode step's products, 2-core Xeon): through BLAS 23 ms for 1 row "
+      "(gemv, the weights streamed at the memory's speed) but 58-66 ms for 2..16 rows (gemm); through the "
+      "skinny kernel 26 ms for 2 rows, 30 for 4, 33 for 8, 51 for 16; from about 24 rows BLAS wins again")
 
 print("\n5. Two thread pools on the same cores")
 libraries = thread_pools.openblas_libraries()
@@ -209,12 +235,23 @@ for info in libraries:
     assert timeout in (None, wanted)        # None: this OpenBLAS cannot report it
 if not libraries:
     print("  numpy here does not use OpenBLAS: nothing to settle")
-print(f"  minipaged sets {thread_pools.THREAD_TIMEOUT} (OpenBLAS's threads spin 2**16 cycles, about 25 us, "
-      f"then sleep; OpenBLAS's default is 2**28) and OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} "
-      "for Numba's pool")
+print(f"  minipaged sets OPENBLAS_THREAD_TIMEOUT={thread_pools.THREAD_TIMEOUT} (OpenBLAS's threads spin "
+      "2**16 cycles, about 25 us, then sleep; OpenBLAS's default is 2**28)")
+assert "GOMP_SPINCOUNT" in os.environ and "KMP_BLOCKTIME" in os.environ   # boot.py's, or the user's own
+print(f"  and, for Numba's OpenMP pool, GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']} (GNU libgomp's threads "
+      f"spin that many rounds, about 30-100 us at 3000, then sleep) and KMP_BLOCKTIME={os.environ['KMP_BLOCKTIME']} "
+      "(LLVM's libomp, where Numba uses it, sleeps at once)")
+try:
+    layer_name = numba.threading_layer()
+except ValueError:                          # no parallel kernel has run yet
+    layer_name = "not started"
+print(f"  Numba's threading layer in this process: {layer_name} ({numba.config.NUMBA_NUM_THREADS} threads)")
 print("  why: numpy's BLAS and our Numba kernels each keep a pool of threads on the same cores, and a "
       "pool that busy-waits after its work steals the cores the other needs next, like two processes "
-      "spinning on one CPU (a 0.5 ms matmul once took 9 ms after a parallel kernel)")
+      "spinning on one CPU (a 0.5 ms matmul once took 9 ms after a parallel kernel whose threads spun "
+      "for their default time)")
+print("  sleeping at once is no better: waking a sleeping pool costs ~70 us, more than many decode kernels "
+      "take. So each pool spins briefly, then sleeps")
 
 print("\n6. The full table")
 print("  python -m minipaged bench roofline    decode at B = 1, 2, 4, 8, 16, 32, 64 and prefills of "

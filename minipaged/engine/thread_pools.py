@@ -4,7 +4,7 @@ On the CPU two thread pools share the cores: OpenBLAS's (numpy's matrix products
 Numba's (every other kernel). Like two processes that each busy-wait for the CPU, a pool
 that spins after its work steals the cores the other needs next: a 0.5 ms matmul once took
 9 ms after a parallel kernel. ``minipaged/boot.py`` asks both pools to sleep soon
-(``OMP_WAIT_POLICY=PASSIVE`` for Numba, ``OPENBLAS_THREAD_TIMEOUT=16`` for OpenBLAS), but
+(``GOMP_SPINCOUNT=3000`` for Numba, ``OPENBLAS_THREAD_TIMEOUT=16`` for OpenBLAS), but
 OpenBLAS reads its variable once, when numpy loads it. A program that imports numpy before
 minipaged, the ordinary way to use a library, has already missed that moment.
 

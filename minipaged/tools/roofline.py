@@ -227,6 +227,9 @@ def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], con
             for _ in range(steps):
                 engine.step()
             total = time.perf_counter() - start
+            if len(engine.scheduler.running) != len(running):
+                raise RuntimeError("a decode request finished while it was being timed; "
+                                   "give the engine a longer max_model_len")
             step_time = total / steps
             mean_ctx = [c + (steps - 1) / 2 for c in contexts]
             cost = step_cost(engine, [1] * len(running), mean_ctx, len(running))
@@ -307,7 +310,9 @@ def run_roofline(engine_kwargs: dict, cfg: dict, progress=print) -> dict:
     progress(f"machine: matmul peak {machine['matmul_peak'] / 1e9:.0f} GFLOP/s, read bandwidth "
              f"{machine['read_bandwidth'] / 1e9:.1f} GB/s")
     kwargs = dict(engine_kwargs)
-    longest = max([cfg["context_len"] + 8 * cfg["steps"] + 16, *[n + 1 for n in prefill_lens]])
+    # the decode requests live through every batch size's warm-up and timed steps
+    decode_len = cfg["context_len"] + len(set(batch_sizes)) * (cfg["steps"] + 1) + 16
+    longest = max([decode_len, *[n + 1 for n in prefill_lens]])
     kwargs["max_model_len"] = kwargs.get("max_model_len") or longest
     kwargs["max_num_seqs"] = max(kwargs.get("max_num_seqs") or 0, max(batch_sizes))
     # a large step budget prefills many of the decode rows' prompts at once
