@@ -277,10 +277,11 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 # OpenBLAS packs the whole weight into its own layout first, and its kernels are tiled for
 # many rows. Over one decode step of SmolLM2 (538 MB of weights, 2-core Xeon, OpenBLAS
 # 0.3.31), every product together took 23 ms for 1 row (a gemv: the weights streamed at
-# the memory's speed) but 58-66 ms for 2 to 16 rows. ``_skinny_linear`` reads each
-# weight row once for all rows: 26 ms for 2 rows, 30 for 4, 33 for 8, 51 for 16; from
-# about 24 rows BLAS wins again.
-SKINNY_MAX_ROWS = 16
+# the memory's speed) but 55-68 ms for 2 to 16 rows and 72-77 ms for 32. ``_skinny_linear``
+# reads each weight row once for all rows: 20 ms for 1 row, 23 for 2, 32 for 8, 43 for 16,
+# 66 for 32, 102 for 64 (BLAS: 105). Above this many rows (prefill) BLAS's gemm is the
+# better engine.
+SKINNY_MAX_ROWS = 64
 
 
 @njit(fastmath=True, parallel=True, cache=True)
@@ -288,45 +289,59 @@ def _skinny_linear(x, w, out, chunks):
     rows, k_dim = x.shape
     n_dim = w.shape[0]
     step = -(-n_dim // chunks)
+    step += (-step) % 4                           # whole groups of 4 output features per chunk
     for c in prange(chunks):                      # each thread: a run of output features
-        for n in range(c * step, min(n_dim, (c + 1) * step)):
-            # weight row n (in,) is read from memory once, then stays in L1 for every x row;
-            # four rows at a time keep four dot products in registers (fastmath lets LLVM
-            # vectorise the sums over k)
+        n, stop = c * step, min(n_dim, (c + 1) * step)
+        # A tile of 4 weight rows (output features n..n+3) x 4 rows of x: 16 dot products
+        # kept in registers (fastmath lets LLVM vectorise each sum over k). Each weight row
+        # comes from memory once and then serves every row of x from the L1 cache; each
+        # loaded value serves 4 multiply-adds.
+        while n + 4 <= stop:
             m = 0
             while m + 4 <= rows:
-                s0 = np.float32(0.0)
-                s1 = np.float32(0.0)
-                s2 = np.float32(0.0)
-                s3 = np.float32(0.0)
+                a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+                c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = np.float32(0.0)
                 for k in range(k_dim):
-                    wk = w[n, k]
-                    s0 += x[m, k] * wk
-                    s1 += x[m + 1, k] * wk
-                    s2 += x[m + 2, k] * wk
-                    s3 += x[m + 3, k] * wk
-                out[m, n] = s0
-                out[m + 1, n] = s1
-                out[m + 2, n] = s2
-                out[m + 3, n] = s3
+                    wa, wb, wc, wd = w[n, k], w[n + 1, k], w[n + 2, k], w[n + 3, k]
+                    x0, x1, x2, x3 = x[m, k], x[m + 1, k], x[m + 2, k], x[m + 3, k]
+                    a0 += x0 * wa; a1 += x1 * wa; a2 += x2 * wa; a3 += x3 * wa   # noqa: E702
+                    b0 += x0 * wb; b1 += x1 * wb; b2 += x2 * wb; b3 += x3 * wb   # noqa: E702
+                    c0 += x0 * wc; c1 += x1 * wc; c2 += x2 * wc; c3 += x3 * wc   # noqa: E702
+                    d0 += x0 * wd; d1 += x1 * wd; d2 += x2 * wd; d3 += x3 * wd   # noqa: E702
+                out[m, n], out[m + 1, n], out[m + 2, n], out[m + 3, n] = a0, a1, a2, a3
+                out[m, n + 1], out[m + 1, n + 1], out[m + 2, n + 1], out[m + 3, n + 1] = b0, b1, b2, b3
+                out[m, n + 2], out[m + 1, n + 2], out[m + 2, n + 2], out[m + 3, n + 2] = c0, c1, c2, c3
+                out[m, n + 3], out[m + 1, n + 3], out[m + 2, n + 3], out[m + 3, n + 3] = d0, d1, d2, d3
                 m += 4
-            while m < rows:
-                s0 = np.float32(0.0)
+            while m < rows:                       # the last rows of x, one at a time
+                a0 = b0 = c0 = d0 = np.float32(0.0)
                 for k in range(k_dim):
-                    s0 += x[m, k] * w[n, k]
-                out[m, n] = s0
+                    xk = x[m, k]
+                    a0 += xk * w[n, k]
+                    b0 += xk * w[n + 1, k]
+                    c0 += xk * w[n + 2, k]
+                    d0 += xk * w[n + 3, k]
+                out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = a0, b0, c0, d0
                 m += 1
+            n += 4
+        while n < stop:                           # the last output features, one at a time
+            for m in range(rows):
+                a0 = np.float32(0.0)
+                for k in range(k_dim):
+                    a0 += x[m, k] * w[n, k]
+                out[m, n] = a0
+            n += 1
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """A linear layer: x (T, in) times w (out, in), the checkpoint's layout -> (T, out).
 
-    2..SKINNY_MAX_ROWS rows of float32 go to ``_skinny_linear``, which streams each weight
-    row once for all of them; one row (BLAS's gemv) and many rows (BLAS's gemm) go to
-    numpy's BLAS, which reads w transposed in place.
+    Up to SKINNY_MAX_ROWS rows of float32 (every decode step of up to 64 sequences) go to
+    ``_skinny_linear``, which streams each weight row once for all of them; more rows
+    (prefill) go to numpy's BLAS gemm, which reads w transposed in place.
     """
     rows = x.shape[0]
-    if 2 <= rows <= SKINNY_MAX_ROWS and x.dtype == np.float32 and w.dtype == np.float32:
+    if 1 <= rows <= SKINNY_MAX_ROWS and x.dtype == np.float32 and w.dtype == np.float32:
         x = np.ascontiguousarray(x)
         out = np.empty((rows, w.shape[0]), dtype=np.float32)          # (T, out)
         _skinny_linear(x, w, out, 4 * get_num_threads())

@@ -195,9 +195,9 @@ def test_t14_the_roofline():
     assert "the LM head is tied: the embedding matrix itself, read once per step (49,152 x 576)" in out
     assert re.search(r"\n +B=2: [\d.]+x the bound of B=1, .*\(linear: skinny kernel, step 4\)", out)
     assert "the weight: 3072 x 576 float32 (7.1 MB)" in out
-    assert re.search(r"\n +1 +1\.00x +[\d.]+x +BLAS gemv\n +2 +[\d.]+x +[\d.]+x +skinny kernel\n", out)
-    assert re.search(r"\n +16 +[\d.]+x +[\d.]+x +skinny kernel\n +24 +[\d.]+x +[\d.]+x +BLAS gemm\n", out)
-    assert re.search(r"so linear runs the skinny kernel for 2\.\.\d+ rows, and BLAS otherwise", out)
+    assert re.search(r"\n +1 +1\.00x +[\d.]+x +skinny kernel\n +2 +[\d.]+x +[\d.]+x +skinny kernel\n", out)
+    assert re.search(r"\n +64 +[\d.]+x +[\d.]+x +skinny kernel\n +128 +[\d.]+x +[\d.]+x +BLAS gemm\n", out)
+    assert re.search(r"so linear runs the skinny kernel for 1\.\.\d+ rows, and BLAS's gemm for more", out)
     assert "minipaged sets OPENBLAS_THREAD_TIMEOUT=16 (OpenBLAS's threads spin 2**16 cycles" in out
     assert re.search(r"for Numba's OpenMP pool, GOMP_SPINCOUNT=\d+ .* KMP_BLOCKTIME=\d+", out)
     assert "python -m minipaged bench roofline" in out

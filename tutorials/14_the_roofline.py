@@ -16,8 +16,8 @@ LM head, attention, the other kernels, the sampler and the Python around the mod
 Last, two things the measurement taught while the CPU path was made fast: a BLAS
 product of a few rows costs far more than reading the weight once (OpenBLAS packs the
 whole weight into its own layout first), so ``kernels/cpu.py`` ``linear`` sends
-2..SKINNY_MAX_ROWS rows to a Numba kernel, ``_skinny_linear``, that streams each weight
-row once for all of them; and two thread pools on the same cores must spin only briefly
+up to SKINNY_MAX_ROWS rows (every decode batch up to 64) to a Numba kernel,
+``_skinny_linear``, that streams each weight row once for all of them; and two thread pools on the same cores must spin only briefly
 while they wait, then sleep.
 
 The OS analogy: the machine's data sheet beside a profiler. ``perf`` and ``top`` tell
@@ -37,10 +37,10 @@ Run it:  python tutorials/14_the_roofline.py
 (MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
 
 Exercises (also printed at the end):
-  1. Set SKINNY_MAX_ROWS in kernels/cpu.py to 1 (every batch goes to BLAS), then to 32, and
-     rerun  python -m minipaged bench roofline --batch-sizes 1,2,4,8,16,32 --prefill-lens ""
-     How do the matmuls and lm_head columns of B=2..32 move? From which batch size is BLAS's
-     gemm the faster again? Does step 4's micro-benchmark, on one weight that stays in
+  1. Set SKINNY_MAX_ROWS in kernels/cpu.py to 0 (every batch goes to BLAS), then to 256, and
+     rerun  python -m minipaged bench roofline --batch-sizes 1,2,4,8,16,32,64 --prefill-lens 256
+     How do the matmuls and lm_head columns move? Is BLAS's gemm the faster for the
+     256-token prefill? Does step 4's micro-benchmark, on one weight that stays in
      cache, predict the whole step? Why not?
   2. With step 2's numbers, find the batch size at which a decode step at context 128 turns
      compute-bound on this machine: solve B x (FLOPs per sequence) = ridge x (weight bytes +
@@ -61,18 +61,16 @@ from minipaged.tools import roofline
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
 CONTEXT = 128                 # tokens of context of the decode steps
-DECODE_BATCHES = (1, 2, 4)    # batch sizes measured in step 3 (1: BLAS's gemv; 2, 4: the skinny kernel)
+DECODE_BATCHES = (1, 2, 4)    # batch sizes measured in step 3 (all through the skinny kernel)
 DECODE_STEPS = 4              # decode steps timed at each batch size
 PREFILL_LEN = 256             # the prompt of the prefill measured in step 3
-ROWS = (1, 2, 3, 4, 8, 16, 24, 32)   # rows of the skinny products of step 4 (24, 32: past SKINNY_MAX_ROWS)
+ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128)   # rows of the products of step 4 (128: past SKINNY_MAX_ROWS)
 REPEATS = 100                 # step 4: the best of this many calls of each product
 PARTS = ("matmuls", "lm_head", "attention", "other_kernels", "sampler", "python")
 
 
 def linear_path(rows: int) -> str:
     """Which product kernels.cpu.linear runs for this many float32 rows."""
-    if rows == 1:
-        return "BLAS gemv"
     return "skinny kernel" if rows <= cpu.SKINNY_MAX_ROWS else "BLAS gemm"
 
 
@@ -206,11 +204,10 @@ print("  the skinny kernel (_skinny_linear, Numba) reads each weight row once fo
       "dot products at a time in registers, the threads splitting the output features")
 skinny = [m for m in ROWS if linear_path(m) == "skinny kernel"]
 wins = [m for m in skinny if best[m, "linear"] < best[m, "BLAS"]]
-print(f"  here, in cache, the skinny kernel beats the gemm at {len(wins)} of its {len(skinny)} row counts "
+print(f"  here, in cache, the skinny kernel beats BLAS at {len(wins)} of its {len(skinny)} row counts "
       f"({best[2, 'linear'] / base:.1f}x against {best[2, 'BLAS'] / base:.1f}x for 2 rows, "
       f"{best[16, 'linear'] / base:.1f}x against {best[16, 'BLAS'] / base:.1f}x for 16)")
-print(f"  so linear runs the skinny kernel for 2..{cpu.SKINNY_MAX_ROWS} rows, and BLAS otherwise "
-      "(gemv for one row, gemm for more)")
+print(f"  so linear runs the skinny kernel for 1..{cpu.SKINNY_MAX_ROWS} rows, and BLAS's gemm for more (prefill)")
 fits = w.nbytes < llc
 where = ("fits in the {} MiB last-level cache: after the first call it is read from cache" if fits else
          "does not fit in the {} MiB last-level cache, yet part of it stays there from call to call")
@@ -222,8 +219,9 @@ print(f"  a whole decode step reads {fmt_bytes(b1['weight_bytes'])} of weights, 
       f"{'every row after the first finds only part of the weights still in cache' if spills else 'the other weights and the KV cache compete for it'}: "
       "that is why bench roofline times whole steps (step 3), and why SKINNY_MAX_ROWS was chosen from them")
 print("  kernels/cpu.py records them (one decode step's products, 2-core Xeon): through BLAS 23 ms for 1 row "
-      "(gemv, the weights streamed at the memory's speed) but 58-66 ms for 2..16 rows (gemm); through the "
-      "skinny kernel 26 ms for 2 rows, 30 for 4, 33 for 8, 51 for 16; from about 24 rows BLAS wins again")
+      "(gemv, the weights streamed at the memory's speed) but 55-68 ms for 2..16 rows and 72-77 for 32 (gemm); "
+      "through the skinny kernel 20 ms for 1 row, 23 for 2, 32 for 8, 43 for 16, 66 for 32, 102 for 64 "
+      "(BLAS: 105)")
 
 print("\n5. Two thread pools on the same cores")
 libraries = thread_pools.openblas_libraries()
