@@ -298,8 +298,9 @@ def _skinny_linear(x, w, out, chunks):
         n, stop = c * step, min(n_dim, (c + 1) * step)
         # A tile of 4 weight rows (output features n..n+3) x 4 rows of x: 16 dot products
         # kept in registers (fastmath lets LLVM vectorise each sum over k). Each weight row
-        # comes from memory once and then serves every row of x from the L1 cache; each
-        # loaded value serves 4 multiply-adds.
+        # comes from memory once and then serves every row of x from the L1/L2 cache; each
+        # loaded value serves 4 multiply-adds. w must be C-contiguous (the model's are):
+        # another layout still gives the right answer, but walks memory with a stride.
         while n + 4 <= stop:
             m = 0
             while m + 4 <= rows:
@@ -344,6 +345,9 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     ``_skinny_linear``, which streams each weight row once for all of them; more rows
     (prefill) go to numpy's BLAS gemm, which reads w transposed in place.
     """
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"linear: x {x.shape} and w {w.shape} do not fit: x must be (T, in) "
+                         f"and w (out, in) with the same in")
     rows = x.shape[0]
     if 1 <= rows <= SKINNY_MAX_ROWS and x.dtype == np.float32 and w.dtype == np.float32:
         x = np.ascontiguousarray(x)

@@ -21,7 +21,8 @@ import sys
 # read when Numba starts its pool at the first parallel kernel; OpenBLAS threads
 # spin 2**16 cycles (~25 us), read when numpy loads OpenBLAS, and again by
 # engine/thread_pools.py if numpy came first.
-THREAD_ENV = {"GOMP_SPINCOUNT": "3000", "KMP_BLOCKTIME": "0"}
+# (A user's OMP_WAIT_POLICY is a choice about the same spin: then neither is set.)
+THREAD_ENV = {} if "OMP_WAIT_POLICY" in os.environ else {"GOMP_SPINCOUNT": "3000", "KMP_BLOCKTIME": "0"}
 if "numpy" not in sys.modules:
     THREAD_ENV["OPENBLAS_THREAD_TIMEOUT"] = "16"
 THREAD_ENV = {k: v for k, v in THREAD_ENV.items() if k not in os.environ}  # the user's choice wins

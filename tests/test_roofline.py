@@ -20,6 +20,7 @@ import pytest
 from minipaged.entrypoints.args import engine_kwargs
 from minipaged.entrypoints.cli import build_parser
 from minipaged.kernels import cpu, reference
+from minipaged.engine import thread_pools
 from minipaged.tools import bench, roofline
 
 
@@ -51,6 +52,14 @@ def test_linear_of_strided_rows_and_empty_batches():
     assert cpu.linear(np.empty((0, 16), np.float32), w).shape == (0, 24)
     x64 = rng.standard_normal((4, 16))                               # float64 rows: BLAS, same answer
     np.testing.assert_allclose(cpu.linear(x64, w), x64 @ w.T.astype(np.float64), rtol=1e-6)
+
+
+def test_linear_refuses_shapes_that_do_not_fit():
+    w = np.ones((8, 16), np.float32)                                  # (out, in)
+    for x in (np.ones((2, 20), np.float32), np.ones((2, 8), np.float32), np.ones((70, 20), np.float32),
+              np.ones(16, np.float32)):
+        with pytest.raises(ValueError, match="do not fit"):
+            cpu.linear(x, w)
 
 
 def test_stream_sum_matches_the_spec():
@@ -113,6 +122,17 @@ def test_roofline_rows_against_the_models_own_arrays(tiny_model_dir, tmp_path, m
     assert report["versions"]["numpy"] == np.__version__
 
 
+def test_roofline_refuses_what_it_cannot_measure_before_measuring(monkeypatch):
+    monkeypatch.setattr(roofline, "matmul_peak", lambda: pytest.fail("measured before refusing"))
+    cfg = dict(batch_sizes="1,2", context_len=256, prefill_lens="256,2048", steps=8, prefill_repeats=2)
+    with pytest.raises(ValueError, match="--max-model-len 1024 is too short .* needs 2049 tokens"):
+        roofline.run_roofline({"max_model_len": 1024}, cfg)
+    with pytest.raises(ValueError, match="measures the CPU backend"):
+        roofline.run_roofline({"device": "cuda"}, cfg)
+    with pytest.raises(ValueError, match="--batch-sizes takes positive integers"):
+        roofline.run_roofline({}, {**cfg, "batch_sizes": "1,\u00b2"})
+
+
 def test_roofline_leaves_the_engine_whole(tiny_model_dir, tmp_path, monkeypatch):
     """The profiler's wrappers come off again: the model's ops are the CPU kernels after it."""
     seen = {}
@@ -127,6 +147,24 @@ def test_roofline_leaves_the_engine_whole(tiny_model_dir, tmp_path, monkeypatch)
     run_roofline_bench(tiny_model_dir, tmp_path / "r.json", monkeypatch, "--batch-sizes", "2",
                        "--context-len", "8", "--steps", "1", "--prefill-lens", "16", "--prefill-repeats", "1")
     assert seen["ops"] is cpu and type(seen["sampler"]).__name__ == "Sampler" and not seen["unfinished"]
+
+
+def test_thread_timeout_is_read_as_openblas_reads_it(monkeypatch):
+    assert [thread_pools.atoi(t) for t in ("16", "016", " 16", "+16", "-3", "16x", "abc", "")] == \
+        [16, 16, 16, 16, -3, 16, 0, 0]
+    monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "016")   # what OpenBLAS reads as 16: not "stuck"
+    assert thread_pools.settle_blas_threads() == []
+    assert all(thread_pools.thread_timeout(i["filepath"]) == 16 for i in thread_pools.openblas_libraries())
+
+
+def test_a_users_wait_policy_keeps_minipaged_off_the_omp_spin():
+    script = "import os, minipaged; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('KMP_BLOCKTIME'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    mine = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**env, "OMP_WAIT_POLICY": "PASSIVE"})
+    ours = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in env.items() if k != "OMP_WAIT_POLICY"})
+    assert mine.stdout.split() == ["None", "None"] and ours.stdout.split() == ["3000", "0"]
 
 
 def test_blas_threads_settle_when_numpy_is_imported_first():

@@ -108,7 +108,7 @@ print(f"  {params:,} parameters (computed from the shape; the engine holds exact
       f"{fmt_bytes(weight_bytes)} in {engine.backend.dtype}")
 assert params == held
 # What one step must read: every layer's matrices and the output head. The embedding is only
-# looked up for the step's tokens, a few rows. (The engine keeps the head as a transposed copy.)
+# looked up for the step's tokens, a few rows. (Tied, the head is the embedding matrix itself.)
 read_per_step = sum(a.nbytes for a in layer_arrays) + model.lm_head.nbytes + model.final_norm.nbytes
 body = c.num_hidden_layers * (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
                               + 3 * c.hidden_size * c.intermediate_size)   # matmul weights of the layers

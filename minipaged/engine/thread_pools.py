@@ -12,8 +12,9 @@ minipaged, the ordinary way to use a library, has already missed that moment.
 OpenBLAS that is loaded (``threadpoolctl`` lists the native thread pools of a process),
 asks it to read its environment again (``openblas_read_env``) and stops its threads
 (``blas_thread_shutdown_``); OpenBLAS starts them afresh, with the new timeout, at its next
-parallel call. Run it while no BLAS call is in flight: the CPU backend calls it once, when
-an engine is built.
+parallel call. That restart must not happen while another thread is inside a BLAS call, so
+it happens only when the setting differs: in practice once, when the first CPU engine is
+built.
 """
 
 from __future__ import annotations
@@ -45,19 +46,32 @@ def thread_timeout(filepath: str) -> int | None:
     return int(lib.openblas_thread_timeout())
 
 
+def atoi(text: str) -> int:
+    """The number C's atoi reads from text (leading blanks, a sign, digits; else 0), as
+    OpenBLAS reads its variables: "016" and " 16" are 16, "abc" is 0."""
+    text = text.lstrip()
+    sign = -1 if text[:1] == "-" else 1
+    text = text[1:] if text[:1] in "+-" else text
+    digits = len(text) - len(text.lstrip("0123456789"))
+    return sign * int(text[:digits]) if digits else 0
+
+
 def settle_blas_threads() -> list[str]:
     """Make every loaded OpenBLAS use ``OPENBLAS_THREAD_TIMEOUT`` (16 unless the user set it).
 
-    Returns the libraries that still spin too long (this OpenBLAS cannot re-read its
-    environment); the backend names them in one notice.
+    Called each time an engine is built; it acts only on a library whose timeout differs from
+    the variable (the first build after numpy came first, or after the variable changed), so
+    later engines never restart a pool that another thread may be using. Returns the
+    libraries that still spin too long (this OpenBLAS cannot re-read its environment); the
+    backend names them in one notice.
     """
-    wanted = os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", str(THREAD_TIMEOUT))
+    wanted = atoi(os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", str(THREAD_TIMEOUT)))
     stuck = []
     for info in openblas_libraries():
         path = info["filepath"]
         try:
             current = thread_timeout(path)
-            if current is not None and str(current) == wanted:
+            if current is not None and current == wanted:
                 continue
             lib = ctypes.CDLL(path)
             if not (hasattr(lib, "openblas_read_env") and hasattr(lib, "blas_thread_shutdown_")):
@@ -65,7 +79,7 @@ def settle_blas_threads() -> list[str]:
                 continue
             lib.openblas_read_env()          # OpenBLAS copies its variables into its globals
             lib.blas_thread_shutdown_()      # the pool restarts at the next parallel call
-            if str(thread_timeout(path)) != wanted:
+            if thread_timeout(path) != wanted:
                 stuck.append(path)
         except OSError:                      # cannot be opened again: leave it as it is
             stuck.append(path)

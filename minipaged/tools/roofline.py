@@ -265,10 +265,11 @@ def measure_prefill(engine: LLMEngine, machine: dict, prefill_lens: list[int], r
                 start = time.perf_counter()
                 engine.step()
                 total = time.perf_counter() - start
+                parts = profiler.breakdown(total, 1)          # this step's alone
                 while engine.has_unfinished_requests():
                     engine.step()
                 if r and (best is None or total < best[0]):
-                    best = (total, profiler.breakdown(total, 1))
+                    best = (total, parts)
             cost = step_cost(engine, [length], [length], 1)
             row = {"prompt_len": length, "step_s": best[0], "bound_s": bound(cost, machine),
                    "breakdown_s": best[1], **cost}
@@ -286,7 +287,7 @@ def measure_prefill(engine: LLMEngine, machine: dict, prefill_lens: list[int], r
 def parse_sizes(text: str, flag: str, allow_empty: bool = False) -> list[int]:
     """"1,2,4" -> [1, 2, 4]; anything but positive integers is refused, naming the flag."""
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
-    if not all(p.isdigit() and int(p) > 0 for p in parts) or not (parts or allow_empty):
+    if not all(p.isascii() and p.isdecimal() and int(p) > 0 for p in parts) or not (parts or allow_empty):
         raise ValueError(f"{flag} takes positive integers separated by commas (e.g. 1,2,4), got {text!r}")
     return [int(p) for p in parts]
 
@@ -305,14 +306,22 @@ def run_roofline(engine_kwargs: dict, cfg: dict, progress=print) -> dict:
     check_roofline_args(cfg)
     batch_sizes = parse_sizes(cfg["batch_sizes"], "--batch-sizes")
     prefill_lens = parse_sizes(cfg["prefill_lens"], "--prefill-lens", allow_empty=True)
+    if engine_kwargs.get("device") == "cuda":
+        raise ValueError("bench roofline measures the CPU backend (numpy's matmul peak, the CPU's read "
+                         "bandwidth, synchronous kernels); run it with --device cpu")
+    # the decode requests live through every batch size's warm-up and timed steps
+    decode_len = cfg["context_len"] + len(set(batch_sizes)) * (cfg["steps"] + 1) + 16
+    longest = max([decode_len, *[n + 1 for n in prefill_lens]])
+    given = engine_kwargs.get("max_model_len")
+    if given is not None and given < longest:
+        raise ValueError(f"--max-model-len {given} is too short for this roofline run: it needs "
+                         f"{longest} tokens (context {cfg['context_len']} plus every timed decode step, "
+                         f"and the longest prefill); raise it or leave it unset")
     machine = {"matmul_peak": matmul_peak(), "read_bandwidth": read_bandwidth(),
                "last_level_cache_bytes": last_level_cache_bytes()}
     progress(f"machine: matmul peak {machine['matmul_peak'] / 1e9:.0f} GFLOP/s, read bandwidth "
              f"{machine['read_bandwidth'] / 1e9:.1f} GB/s")
-    kwargs = dict(engine_kwargs)
-    # the decode requests live through every batch size's warm-up and timed steps
-    decode_len = cfg["context_len"] + len(set(batch_sizes)) * (cfg["steps"] + 1) + 16
-    longest = max([decode_len, *[n + 1 for n in prefill_lens]])
+    kwargs = dict(engine_kwargs, device="cpu")
     kwargs["max_model_len"] = kwargs.get("max_model_len") or longest
     kwargs["max_num_seqs"] = max(kwargs.get("max_num_seqs") or 0, max(batch_sizes))
     # a large step budget prefills many of the decode rows' prompts at once
