@@ -133,6 +133,13 @@ def test_roofline_refuses_what_it_cannot_measure_before_measuring(monkeypatch):
         roofline.run_roofline({}, {**cfg, "batch_sizes": "1,\u00b2"})
 
 
+def test_roofline_says_when_the_pool_is_too_small(tiny_model_dir, tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"the KV pool \(12 blocks\) cannot hold 4 sequences"):
+        run_roofline_bench(tiny_model_dir, tmp_path / "r.json", monkeypatch, "--batch-sizes", "4",
+                           "--context-len", "24", "--steps", "2", "--prefill-lens", "", "--num-blocks", "12",
+                           "--block-size", "4", "--preemption-mode", "recompute")
+
+
 def test_roofline_leaves_the_engine_whole(tiny_model_dir, tmp_path, monkeypatch):
     """The profiler's wrappers come off again: the model's ops are the CPU kernels after it."""
     seen = {}

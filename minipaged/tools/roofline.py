@@ -227,6 +227,11 @@ def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], con
             for _ in range(steps):
                 engine.step()
             total = time.perf_counter() - start
+            if engine.scheduler.num_preemptions:
+                raise ValueError(f"the KV pool ({engine.block_manager.num_blocks} blocks) cannot hold "
+                                 f"{batch_sizes[0]} sequences of {context_len}+ tokens, so requests were "
+                                 "preempted during the decode rows; raise --num-blocks / --kv-cache-space "
+                                 "or leave both unset")
             if len(engine.scheduler.running) != len(running):
                 raise RuntimeError("a decode request finished while it was being timed; "
                                    "give the engine a longer max_model_len")
@@ -243,7 +248,8 @@ def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], con
                      f"{row['bound_s'] * 1e3:.1f} ms, {row['ratio']:.2f}x")
     finally:
         profiler.close()
-        for group in list(engine.scheduler.running):
+        sched = engine.scheduler
+        for group in [*sched.running, *sched.waiting, *sched.swapped]:   # none left for the prefill rows
             engine.abort_request(group.request_id)
     return sorted(rows, key=lambda r: r["batch"])
 
