@@ -122,28 +122,22 @@ class SamplingParams:
         def store(name: str, value) -> None:
             object.__setattr__(self, name, value)
 
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
-            value = as_float(getattr(self, name))
-            if value is None:
-                bad(wrong_type(name, getattr(self, name), "a finite number"))
-            store(name, value)
-        for name in ("n", "top_k", "max_tokens", "min_tokens"):
-            value = as_int(getattr(self, name))
-            if value is None:
-                bad(wrong_type(name, getattr(self, name), "an integer"))
-            store(name, value)
-        for name in ("seed", "logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                value = as_int(getattr(self, name))
+        # (names, their conversion, what a value must be, whether None is allowed)
+        typed = [(("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty"), as_float, "a finite number", False),
+                 (("n", "top_k", "max_tokens", "min_tokens"), as_int, "an integer", False),
+                 (("seed", "logprobs", "prompt_logprobs"), as_int, "an integer or None", True),
+                 (("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"),
+                  as_flag, "True or False", False)]
+        for names, convert, expected, optional in typed:
+            for name in names:
+                raw = getattr(self, name)
+                if optional and raw is None:
+                    continue
+                value = convert(raw)
                 if value is None:
-                    bad(wrong_type(name, getattr(self, name), "an integer or None"))
+                    bad(wrong_type(name, raw, expected))
                 store(name, value)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
-            value = as_flag(getattr(self, name))
-            if value is None:
-                bad(wrong_type(name, getattr(self, name), "True or False"))
-            store(name, value)
         if self.n < 1:
             bad(f"n must be a positive integer, got {shown(self.n)}")
         if not self.temperature >= 0.0:

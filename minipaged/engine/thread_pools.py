@@ -39,7 +39,10 @@ def openblas_libraries() -> list[dict]:
 
 def thread_timeout(filepath: str) -> int | None:
     """The spin exponent the OpenBLAS at ``filepath`` uses now (0: its default, 2**28 cycles)."""
-    lib = ctypes.CDLL(filepath)
+    return _timeout_of(ctypes.CDLL(filepath))
+
+
+def _timeout_of(lib) -> int | None:
     if not hasattr(lib, "openblas_thread_timeout"):
         return None
     lib.openblas_thread_timeout.restype = ctypes.c_int
@@ -70,16 +73,16 @@ def settle_blas_threads() -> list[str]:
     for info in openblas_libraries():
         path = info["filepath"]
         try:
-            current = thread_timeout(path)
+            lib = ctypes.CDLL(path)          # already loaded: the same handle numpy uses
+            current = _timeout_of(lib)
             if current is not None and current == wanted:
                 continue
-            lib = ctypes.CDLL(path)
             if not (hasattr(lib, "openblas_read_env") and hasattr(lib, "blas_thread_shutdown_")):
                 stuck.append(path)
                 continue
             lib.openblas_read_env()          # OpenBLAS copies its variables into its globals
             lib.blas_thread_shutdown_()      # the pool restarts at the next parallel call
-            if thread_timeout(path) != wanted:
+            if _timeout_of(lib) != wanted:
                 stuck.append(path)
         except OSError:                      # cannot be opened again: leave it as it is
             stuck.append(path)
