@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
-from numba import get_num_threads, njit, prange
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types as nb_types
+from numba.extending import intrinsic
 
 from .layout import AttentionMetadata
 
@@ -50,6 +52,56 @@ def two_ways(fn, min_work: str = "PARALLEL_MIN_ELEMENTS"):
 # A thread walks a sequence's K/V blocks once for a tile of up to QUERY_TILE
 # query tokens (times the GQA group), so each block it loads serves them all.
 QUERY_TILE = 16
+
+
+# --------------------------------------------------------------------------- exp
+
+# Numba calls the C library's expf one value at a time (~2.3 ns here: LLVM has no vector
+# exp to put in its place), which made exp the slowest part of the softmax and of SiLU.
+# ``fast_exp`` is written with + and * only, so LLVM vectorises a loop of it (~0.33 ns a
+# value on the 2-core Xeon), the way vector math libraries compute it:
+#   e^x = 2^n * e^r,  n = round(x / ln 2),  r = x - n ln 2 in [-ln2/2, ln2/2]
+# e^r from its Taylor series to r^7 (error below 1e-7 of the value), and 2^n by writing
+# n + 127 into a float's exponent bits.
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)            # ln 2 split in two (Cody and Waite), so that
+_LN2_LO = np.float32(-2.12194440e-4)         # n * _LN2_HI is exact for every n used here
+EXP_MIN, EXP_MAX = np.float32(-87.0), np.float32(88.0)   # e^x stays a normal float32
+
+
+@intrinsic
+def _float_from_bits(typingctx, bits):
+    """Reinterpret an int32's bits as a float32 (C's memcpy / C++'s bit_cast)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return nb_types.float32(nb_types.int32), codegen
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def fast_exp(x):
+    """e^x for a float32 x: 0 below EXP_MIN, e^EXP_MAX above EXP_MAX, relative error < 1e-6."""
+    clamped = min(max(x, EXP_MIN), EXP_MAX)
+    n = np.floor(clamped * _LOG2E + np.float32(0.5))
+    r = clamped - n * _LN2_HI - n * _LN2_LO
+    p = np.float32(1.0 / 5040.0)
+    for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):   # Horner
+        p = p * r + np.float32(c)
+    power = _float_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))     # 2^n
+    return p * power if x >= EXP_MIN else np.float32(0.0)
+
+
+@njit(fastmath=True, cache=True)
+def _exp_into(x, out):
+    for i in range(x.shape[0]):
+        out[i] = fast_exp(x[i])
+
+
+def exp(x: np.ndarray) -> np.ndarray:
+    """e^x elementwise with ``fast_exp``, for a float32 array (the kernel, callable from Python)."""
+    flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    out = np.empty_like(flat)
+    _exp_into(flat, out)
+    return out.reshape(np.shape(x))
 
 
 # --------------------------------------------------------------------------- KV writes
@@ -140,15 +192,18 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
                             dot += qs[r, d] * k_cache[block, kv_head, o, d]
                         scores[o] = dot
                         new_max = max(new_max, dot)
-                    correction = np.exp(row_max[r] - new_max)
-                    row_sum[r] *= correction
+                    correction = fast_exp(row_max[r] - new_max)
+                    total = row_sum[r] * correction
                     for d in range(head_dim):
                         acc[r, d] *= correction
+                    for o in range(valid):                   # the block's exps, vectorised
+                        scores[o] = fast_exp(scores[o] - new_max)
                     for o in range(valid):
-                        p = np.exp(scores[o] - new_max)
-                        row_sum[r] += p
+                        p = scores[o]
+                        total += p
                         for d in range(head_dim):
                             acc[r, d] += p * v_cache[block, kv_head, o, d]
+                    row_sum[r] = total
                     row_max[r] = new_max
             for r in range(rows):
                 inv = 1.0 / row_sum[r]
@@ -162,9 +217,9 @@ _paged_attention = two_ways(_paged_attention_body, "ATTENTION_PARALLEL_MIN_WORK"
 BLAS_MIN_QUERIES = 32
 # Query rows per BLAS tile, bounding the (rows, context) score matrix.
 BLAS_QUERY_TILE = 256
-# Score elements from which the softmax pass is threaded: a (768, 256) tile of a 256-token
-# prompt ran in 160 us serial and 390 us threaded; (768, 2048) tiles gain from threads.
-SOFTMAX_PARALLEL_MIN_ELEMENTS = 1 << 20
+# Score elements from which the softmax pass is threaded. One layer's attention of a 256-token
+# prompt (three (768, 256) tiles) took 1.57 ms threaded, 1.88 serial; 2048 tokens: 42 / 55 ms.
+SOFTMAX_PARALLEL_MIN_ELEMENTS = 1 << 16
 
 
 def attention_work_items(query_start_loc: np.ndarray, seqs: np.ndarray) -> np.ndarray:
@@ -179,22 +234,41 @@ def attention_work_items(query_start_loc: np.ndarray, seqs: np.ndarray) -> np.nd
     return work
 
 
+@njit(fastmath=True, inline="always", cache=True)
+def _row_max(row, n):
+    """max(row[:n]) with 16 running maxima: one chain of compares waits on each step (~1 ns a
+    value); sixteen independent ones keep the vector units busy (~0.3 ns)."""
+    tops = np.full(16, -np.inf, np.float32)
+    full = n - n % 16
+    for j in range(0, full, 16):
+        for u in range(16):
+            v = row[j + u]
+            tops[u] = v if v > tops[u] else tops[u]
+    top = -np.inf
+    for u in range(16):
+        top = tops[u] if tops[u] > top else top
+    for j in range(full, n):
+        top = row[j] if row[j] > top else top
+    return top
+
+
 @partial(two_ways, min_work="SOFTMAX_PARALLEL_MIN_ELEMENTS")
-def _scale_mask_shift(scores, row_pos, scale):
-    """In place, row by row: scores * scale, minus the row's maximum over the keys it may see
-    (keys 0..row_pos[r]); the keys after it (the causal future) become -inf. One pass in
-    place of numpy's five (scale, mask, max, subtract, and the mask's own index arrays)."""
+def _causal_softmax(scores, row_pos, scale, sums):
+    """In place, row by row: exp(scale * (s - max)) over the keys the row may see (keys
+    0..row_pos[r]), 0 for the causal future; sums[r] gets the row's total. One pass for
+    what numpy needs five for (scale, mask, max, exp, sum), with the vectorised exp."""
     for r in prange(scores.shape[0]):
-        last = row_pos[r]
-        top = -np.inf
-        for j in range(last + 1):
-            v = scores[r, j] * scale
-            scores[r, j] = v
-            top = max(top, v)
-        for j in range(last + 1):
-            scores[r, j] -= top
-        for j in range(last + 1, scores.shape[1]):
-            scores[r, j] = -np.inf
+        row = scores[r]
+        visible = row_pos[r] + 1
+        top = _row_max(row, visible) * scale
+        total = np.float32(0.0)
+        for j in range(visible):
+            e = fast_exp(row[j] * scale - top)
+            row[j] = e
+            total += e
+        for j in range(visible, row.shape[0]):
+            row[j] = 0.0
+        sums[r] = total
 
 
 def _blas_attention(q, k_cache, v_cache, block_table, seq_len, scale, out) -> None:
@@ -218,12 +292,11 @@ def _blas_attention(q, k_cache, v_cache, block_table, seq_len, scale, out) -> No
         last_pos = seq_len - n + stop - 1
         # (rows,) position of each (query, head-in-group) row; keys beyond last_pos are never seen
         row_pos = np.repeat(np.arange(first_pos, last_pos + 1), group)
+        total = np.empty(len(row_pos), np.float32)                         # (rows,) softmax sums
         for h in range(num_kv_heads):
             qh = q[start:stop, h * group:(h + 1) * group].reshape(-1, head_dim)  # (rows, head_dim)
             scores = qh @ keys[h, : last_pos + 1].T                        # (rows, keys)
-            _scale_mask_shift(scores.size)(scores, row_pos, np.float32(scale))
-            np.exp(scores, out=scores)                  # numpy's exp is vectorised; Numba's is not
-            total = scores.sum(axis=1)                                     # (rows,)
+            _causal_softmax(scores.size)(scores, row_pos, np.float32(scale), total)
             # normalise the (rows, head_dim) result, not the (rows, keys) weights
             out[start:stop, h * group:(h + 1) * group] = (
                 (scores @ values[h, : last_pos + 1]) / total[:, None]).reshape(stop - start, group, head_dim)
@@ -425,7 +498,7 @@ def _silu_and_mul(gate_up, out):
     for t in prange(gate_up.shape[0]):
         for i in range(ffn):
             g = gate_up[t, i]
-            out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, ffn + i]
+            out[t, i] = g / (np.float32(1.0) + fast_exp(-g)) * gate_up[t, ffn + i]
 
 
 def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:

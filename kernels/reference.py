@@ -122,5 +122,14 @@ def rotary(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarra
 def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
     """SwiGLU's middle: gate_up (T, 2*ffn) = [gate | up] -> silu(gate) * up, (T, ffn)."""
     ffn = gate_up.shape[-1] // 2
-    gate, up = gate_up[:, :ffn].astype(np.float32), gate_up[:, ffn:].astype(np.float32)
+    gate, up = gate_up[:, :ffn].astype(np.float64), gate_up[:, ffn:].astype(np.float64)
     return (gate / (1.0 + np.exp(-gate)) * up).astype(gate_up.dtype)
+
+
+EXP_MIN, EXP_MAX = -87.0, 88.0   # the range where e^x is a normal float32
+
+
+def exp(x: np.ndarray) -> np.ndarray:
+    """e^x (any shape), in float64, of x clamped to [EXP_MIN, EXP_MAX]; 0 below EXP_MIN."""
+    x64 = np.asarray(x, dtype=np.float64)
+    return np.where(x64 < EXP_MIN, 0.0, np.exp(np.minimum(x64, EXP_MAX)))

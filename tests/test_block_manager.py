@@ -104,12 +104,26 @@ def test_allocator_refcounts_and_double_free():
         pool.free(a)
 
 
-def test_allocator_reuses_oldest_free_block_first():
-    pool = BlockAllocator(3)
+def test_allocator_reuses_the_hottest_free_block_first():
+    pool = BlockAllocator(4)
     a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    assert (a, b, c) == (0, 1, 2)        # untouched blocks in id order
     pool.free(b)
     pool.free(a)
-    assert pool.allocate() == b          # FIFO free queue
+    assert list(pool.free_list) == [a, b, 3]
+    assert pool.allocate() == a          # the last freed goes out first (hot-first)
+    assert pool.allocate() == b
+    assert pool.allocate() == 3          # then the untouched ones
+    pool.check_invariants()
+
+
+def test_a_finished_table_is_handed_out_again_in_its_own_order():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    group = make_group(0, 10)
+    bm.allocate(group)
+    table = bm.block_table(group.seqs[0])
+    bm.free(group.seqs[0])
+    assert list(bm.allocator.free_list)[:len(table)] == table
 
 
 def test_block_table_slots_follow_the_table():

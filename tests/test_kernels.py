@@ -69,7 +69,8 @@ def test_paged_attention_matches_spec(case):
 def test_paged_attention_every_path(monkeypatch, threads, path):
     """Serial and threaded Numba kernels, and the gather + BLAS path for long query runs
     (in small query tiles, to cross tile edges), all agree with the spec."""
-    monkeypatch.setattr(cpu, "PARALLEL_MIN_ELEMENTS", 0 if threads == "parallel" else 1 << 62)
+    for threshold in ("PARALLEL_MIN_ELEMENTS", "ATTENTION_PARALLEL_MIN_WORK", "SOFTMAX_PARALLEL_MIN_ELEMENTS"):
+        monkeypatch.setattr(cpu, threshold, 0 if threads == "parallel" else 1 << 62)
     monkeypatch.setattr(cpu, "BLAS_MIN_QUERIES", {"numba": 1 << 30, "blas": 1, "mixed": 20}[path])
     monkeypatch.setattr(cpu, "BLAS_QUERY_TILE", 7)
     rng = np.random.default_rng(7)
@@ -97,6 +98,37 @@ def test_write_kv_matches_spec(block_size, num_tokens, seed):
     np.testing.assert_array_equal(caches[1], expected[1])
 
 
+def test_fast_exp_matches_spec_over_its_whole_range():
+    x = np.concatenate([np.linspace(-100, 100, 400_001), [-np.inf, -87.0, 0.0, 88.0, 1e30, -1e30],
+                        np.random.default_rng(0).standard_normal(1000) * 1e-3]).astype(np.float32)
+    got = cpu.exp(x).astype(np.float64)
+    want = spec.exp(x)
+    normal = want > 0
+    assert np.max(np.abs(got[normal] - want[normal]) / want[normal]) < 1e-6
+    assert np.all(got[~normal] == 0.0)                       # below -87, and -inf, give 0
+    assert cpu.exp(np.zeros((2, 3), np.float32)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 100])
+def test_causal_softmax_matches_numpy(width):
+    """The fused BLAS-path softmax: row maxima over the visible keys (any tail length), exp,
+    zeros beyond, row sums; stable for scores far from 0."""
+    rng = np.random.default_rng(width)
+    rows = 3 * width
+    scores = (rng.standard_normal((rows, width)) * 300).astype(np.float32)
+    row_pos = rng.integers(0, width, size=rows)
+    scale = np.float32(0.125)
+    want = np.zeros((rows, width))
+    for r in range(rows):
+        seen = scores[r, : row_pos[r] + 1].astype(np.float64) * scale
+        want[r, : row_pos[r] + 1] = np.exp(seen - seen.max())
+    for parallel in (False, True):
+        got, sums = scores.copy(), np.empty(rows, np.float32)
+        cpu._causal_softmax(1 << 62 if parallel else 0)(got, row_pos, scale, sums)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(sums, want.sum(axis=1), rtol=1e-5)
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 200])
 def test_elementwise_kernels_match_spec(tokens):
     rng = np.random.default_rng(tokens)
@@ -105,6 +137,7 @@ def test_elementwise_kernels_match_spec(tokens):
     np.testing.assert_allclose(cpu.rms_norm(x, w, 1e-5), spec.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
 
     gate_up = rng.standard_normal((tokens, 2 * 48)).astype(np.float32)
+    gate_up[0, :4] = [-120.0, -90.0, 90.0, 120.0]               # where e^-gate leaves float32's range
     np.testing.assert_allclose(cpu.silu_and_mul(gate_up), spec.silu_and_mul(gate_up), rtol=1e-5, atol=1e-6)
 
     heads = rng.standard_normal((tokens, 3, 16)).astype(np.float32)

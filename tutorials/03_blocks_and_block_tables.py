@@ -49,15 +49,17 @@ def show(bm: BlockManager, group: SequenceGroup) -> None:
           f"fills {table.fills}")
 
 
-print("1. The frame allocator: a FIFO free queue and a ref count per block")
-# Frames come from the front of the queue and go back at the end, so a block
-# freed a moment ago is the last to be handed out again.
+print("1. The frame allocator: a hot-first free list and a ref count per block")
+# Frames come from the front of the list, and a freed frame goes back to the front:
+# the block freed a moment ago is the next one handed out. Like Linux's per-CPU page
+# lists, this reuses memory that is still in the cache (and, on the CPU, already
+# mapped: the first write to a never-touched block costs a page fault).
 frames = BlockAllocator(4)
 a, b = frames.allocate(), frames.allocate()
-print(f"  allocated blocks {a} and {b}; free queue {list(frames.free_queue)}, ref counts {frames.ref_counts}")
+print(f"  allocated blocks {a} and {b}; free list {list(frames.free_list)}, ref counts {frames.ref_counts}")
 frames.free(a)
-print(f"  freed block {a}: free queue {list(frames.free_queue)}, ref counts {frames.ref_counts}")
-assert list(frames.free_queue) == [2, 3, a] and frames.ref_counts[b] == 1
+print(f"  freed block {a}: free list {list(frames.free_list)}, ref counts {frames.ref_counts}")
+assert list(frames.free_list) == [a, 2, 3] and frames.ref_counts[b] == 1
 frames.check_invariants()
 
 print(f"\n2. A prompt gets a page table (block_size={BLOCK_SIZE}, pool of {NUM_BLOCKS} blocks)")
@@ -77,7 +79,7 @@ show(bm, req_b)
 
 print("\n4. Decoding: A grows one token at a time")
 # The next token goes into the last block's spare slot; only when that block is
-# full does the manager take a new frame, from wherever the free queue points.
+# full does the manager take a new frame, from wherever the free list points.
 for word in ["fathers", "brought", "forth"]:
     table = bm.tables[seq_a.seq_id]
     needs_block = table.needs_new_block()
@@ -125,17 +127,17 @@ print(f"  D ({later.seqs[0].num_tokens} tokens, needs {blocks_for(later.seqs[0].
       f"blocks): {bm.can_allocate(later).name}")
 assert bm.can_allocate(big) == AllocStatus.NEVER and bm.can_allocate(later) == AllocStatus.LATER
 
-print("\n8. A finishes: its frames go back to the END of the free queue")
-before = list(bm.allocator.free_queue)
-bm.free(seq_a)
-after = list(bm.allocator.free_queue)
-print(f"  free queue before {before}, after {after}")
-assert after == before + table_a
+print("\n8. A finishes: its frames go back to the FRONT of the free list, in table order")
+before = list(bm.allocator.free_list)
+bm.free(seq_a)       # releases the last block first, so the list's front reads like A's table
+after = list(bm.allocator.free_list)
+print(f"  free list before {before}, after {after}")
+assert after == table_a + before
 print(f"  now D fits: can_allocate(D) = {bm.can_allocate(later).name}")
 bm.allocate(later)
 show(bm, later)
 table_d = bm.block_table(later.seqs[0])
-# D gets the frames at the front of the queue, then some of A's old ones.
+# D gets the frames at the front of the list: A's, freed a moment ago (still hot).
 assert table_d == after[:len(table_d)] and set(table_d) & set(table_a)
 reused = sorted(set(table_d) & set(table_a))
 print(f"  D reuses A's old frame(s) {reused}; its blocks {table_d} are scattered")
@@ -191,4 +193,4 @@ Exercises:
      blocks does each request map, and how many slots sit empty in its last block? What does
      block_size 1 cost the page table?
   2. In step 4, add the words "upon this continent" to the list A decodes. At which word does A
-     need a fourth block, and which frame does it get? Predict it from the free queue first.""")
+     need a fourth block, and which frame does it get? Predict it from the free list first.""")

@@ -5,7 +5,7 @@ bookkeeping: the standard library and numpy only, no model, no kernels, no GPU
 library, so every invariant is property-tested on a CPU (tests/test_block_manager.py).
 It never touches KV data: it returns plans (copy, swap) that the engine executes.
 
-    block_allocator.py       the frame allocator: a free queue and reference counts (device pool, swap pool)
+    block_allocator.py       the frame allocator: a hot-first free list and reference counts (device pool, swap pool)
     block_table.py           the page table of one sequence: logical block -> physical block, fill counts
     block_manager.py         the virtual-memory manager: allocate, append slots (copy-on-write), fork,
                              swap out / in, free, check_invariants

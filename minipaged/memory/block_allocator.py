@@ -1,7 +1,10 @@
 """BlockAllocator: the physical frame allocator of one memory pool.
 
 Like an OS frame allocator it hands out fixed-size frames (KV blocks) from a
-free list and takes them back when the last user lets go. Reference counts make
+free list and takes them back when the last user lets go. The list is hot-first, as
+Linux's per-CPU page lists are: a freed frame goes to the front and is the next one
+handed out, because its memory is likely still in the cache (and, on the CPU, already
+mapped: a frame never touched before costs a page fault on its first write). Reference counts make
 sharing possible: a block held by two block tables (forked samples, a cached
 prefix) has ref count 2 and is freed only when both have released it.
 """
@@ -26,15 +29,16 @@ class BlockAllocator:
         self.name = name
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks            # (num_blocks,) holders of each block
-        # FIFO: a freed block goes to the back, so recently freed blocks are reused last.
-        self.free_queue: deque[int] = deque(range(num_blocks))
+        # hot-first (LIFO): a freed block goes to the front and is handed out next;
+        # untouched blocks come after, in id order
+        self.free_list: deque[int] = deque(range(num_blocks))
         # With prefix caching, freed blocks that hold a named full block wait in the
         # cache's LRU queue instead, still free, until a hit revives them or need evicts them.
         self.cache = cache
 
     @property
     def num_free(self) -> int:
-        return len(self.free_queue) + (len(self.cache.evictable) if self.cache else 0)
+        return len(self.free_list) + (len(self.cache.evictable) if self.cache else 0)
 
     @property
     def num_used(self) -> int:
@@ -47,8 +51,8 @@ class BlockAllocator:
 
     def allocate(self) -> int:
         """Take a free block (a plain one first, else evict the oldest cached one); ref count 1."""
-        if self.free_queue:
-            block_id = self.free_queue.popleft()
+        if self.free_list:
+            block_id = self.free_list.popleft()
         elif self.cache and self.cache.evictable:
             block_id = self.cache.evict()
         else:
@@ -58,9 +62,9 @@ class BlockAllocator:
 
     def take(self, block_id: int) -> None:
         """Allocate one particular free block (the contiguous baseline needs runs).
-        O(n) in the free queue: only the baseline uses it."""
+        O(n) in the free list: only the baseline uses it."""
         assert self.ref_counts[block_id] == 0, f"{self.name} block {block_id} is not free"
-        self.free_queue.remove(block_id)
+        self.free_list.remove(block_id)
         self.ref_counts[block_id] = 1
 
     def revive(self, block_id: int) -> None:
@@ -75,16 +79,16 @@ class BlockAllocator:
         self.ref_counts[block_id] += 1
 
     def free(self, block_id: int) -> None:
-        """One holder lets go; the block returns to the free queue when none is left."""
+        """One holder lets go; the block returns to the free list when none is left."""
         assert self.ref_counts[block_id] > 0, f"double free of {self.name} block {block_id}"
         self.ref_counts[block_id] -= 1
         if self.ref_counts[block_id] == 0 and not (self.cache and self.cache.park(block_id)):
-            self.free_queue.append(block_id)
+            self.free_list.appendleft(block_id)
 
     def check_invariants(self) -> None:
         """Every block is free (ref 0, in exactly one free list once) or used (ref > 0, in none)."""
-        queued = set(self.free_queue)
-        assert len(queued) == len(self.free_queue), f"a {self.name} block is queued twice"
+        queued = set(self.free_list)
+        assert len(queued) == len(self.free_list), f"a {self.name} block is queued twice"
         if self.cache:
             parked = set(self.cache.evictable)
             assert not parked & queued, f"a {self.name} block is both free and parked in the cache"
@@ -94,4 +98,4 @@ class BlockAllocator:
             assert refs >= 0, f"negative ref count on block {block_id}"
             assert (refs == 0) == (block_id in queued), (
                 f"{self.name} block {block_id}: ref count {refs} but "
-                f"{'in' if block_id in queued else 'not in'} the free queue")
+                f"{'in' if block_id in queued else 'not in'} the free list")

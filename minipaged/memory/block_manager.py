@@ -283,13 +283,15 @@ class BlockManager:
 
     # ------------------------------------------------------------------ release
     def free(self, seq: Sequence) -> None:
-        """The process exits: drop its page table and release each frame once."""
+        """The process exits: drop its page table and release each frame once, the last
+        first: the hot-first free list then hands them out again in the table's order, and
+        with prefix caching a prompt's tail (the part least likely shared) is evicted first."""
         table = self.tables.pop(seq.seq_id, None)
         if table is None:
             return
         pool = self.cpu_allocator if seq.seq_id in self.on_cpu else self.allocator
         self.on_cpu.discard(seq.seq_id)
-        for block_id in table.block_ids:
+        for block_id in reversed(table.block_ids):
             pool.free(block_id)
 
     # ------------------------------------------------------------------ invariants

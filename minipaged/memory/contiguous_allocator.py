@@ -44,7 +44,7 @@ class ContiguousBlockManager(BlockManager):
 
     def _find_run(self, length: int) -> int | None:
         """First block of the first run of ``length`` free blocks (first fit), if any."""
-        free = set(self.allocator.free_queue)
+        free = set(self.allocator.free_list)
         run_start, run = 0, 0
         for block in range(self.num_blocks):
             if block in free:

@@ -90,7 +90,7 @@ async def one_request(client, url: str, model: str, prompt: list[int], output_le
                 arrivals.append(time.perf_counter())
     end = time.perf_counter()
     ttft = arrivals[0] - start if arrivals else None
-    return {"start": start, "end": end, "ttft": ttft, "tokens": tokens,
+    return {"start": start, "end": end, "ttft": ttft, "tokens": tokens, "prompt_len": len(prompt),
             "itl": list(np.diff(arrivals)) if len(arrivals) > 1 else [],
             "tpot": (end - arrivals[0]) / (tokens - 1) if arrivals and tokens > 1 else None}
 
@@ -130,7 +130,15 @@ def summarize(results: list[dict], elapsed: float) -> dict:
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
-            "errors": sorted({r["error"] for r in results if "error" in r})[:5]}
+            "errors": sorted({r["error"] for r in results if "error" in r})[:5],
+            "per_request": per_request(results)}
+
+
+def per_request(results: list[dict]) -> list[dict]:
+    """Each request in workload order: prompt length, start (seconds after the first), TTFT, TPOT."""
+    first = min((r["start"] for r in results if "start" in r), default=0.0)
+    return [{"prompt_len": r.get("prompt_len"), "start_s": r["start"] - first if "start" in r else None,
+             "ttft_s": r.get("ttft"), "tpot_s": r.get("tpot"), "error": r.get("error")} for r in results]
 
 
 def offline_tok_s(engine_kwargs: dict, prompts: list[list[int]], output_len: int) -> float:

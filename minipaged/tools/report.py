@@ -25,7 +25,10 @@ def print_result(workload: str, cfg: dict, result: dict) -> None:
     width = max(len(k) for k in result)
     print(f"\n{workload}: {cfg}")
     for key, value in result.items():
-        shown = f"{value:.4g}" if isinstance(value, float) else value
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            shown = f"({len(value)} rows, in the JSON)"
+        else:
+            shown = f"{value:.4g}" if isinstance(value, float) else value
         print(f"  {key:<{width}}  {shown}")
 
 
