@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
-from llvmlite import ir
-from numba import get_num_threads, njit, prange, types as nb_types
-from numba.extending import intrinsic
+from numba import get_num_threads, njit, prange
 
-from .layout import AttentionMetadata
+from .kv_quant import (K_SCALE_CONSTANT, KV_FLOAT, KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8, V_SCALE_CONSTANT,
+                       _float_from_bits, dequantize, float_to_fp8, widen)
+from .layout import AttentionMetadata, KVQuant
 
 xp = np  # the array module this backend computes with
 
@@ -62,19 +62,11 @@ QUERY_TILE = 16
 # value on the 2-core Xeon), the way vector math libraries compute it:
 #   e^x = 2^n * e^r,  n = round(x / ln 2),  r = x - n ln 2 in [-ln2/2, ln2/2]
 # e^r from its Taylor series to r^7 (error below 1e-7 of the value), and 2^n by writing
-# n + 127 into a float's exponent bits.
+# n + 127 into a float's exponent bits (``kv_quant._float_from_bits``).
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)            # ln 2 split in two (Cody and Waite), so that
 _LN2_LO = np.float32(-2.12194440e-4)         # n * _LN2_HI is exact for every n used here
 EXP_MIN, EXP_MAX = np.float32(-87.0), np.float32(88.0)   # e^x stays a normal float32
-
-
-@intrinsic
-def _float_from_bits(typingctx, bits):
-    """Reinterpret an int32's bits as a float32 (C's memcpy / C++'s bit_cast)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return nb_types.float32(nb_types.int32), codegen
 
 
 @njit(fastmath=True, inline="always", cache=True)
@@ -119,10 +111,54 @@ def _write_kv(k_cache, v_cache, k, v, slot_mapping):
         v_cache[block, :, offset, :] = v[t]
 
 
+@njit(cache=True)
+def _quantize_vector(x, out, fmt, scales, block, head, offset):
+    """One token's head_dim values of one head into bytes: int8 with its own scale
+    (max|x| / 127, written to scales[block, head, offset]), or fp8 over the layer's scale."""
+    if fmt == KV_INT8:
+        top = np.float32(0.0)
+        for d in range(x.shape[0]):
+            top = max(top, abs(x[d]))
+        scale = top / np.float32(127.0)
+        scales[block, head, offset] = scale
+        for d in range(x.shape[0]):
+            out[d] = np.int8(np.rint(x[d] / scale)) if scale > 0 else np.int8(0)
+    else:
+        layer_scale = scales[0, 0, 0]
+        for d in range(x.shape[0]):
+            out[d] = float_to_fp8(np.float32(x[d] / layer_scale), fmt)
+
+
+@njit(cache=True)
+def _write_kv_quantized(k_cache, v_cache, k, v, slot_mapping, fmt, k_scale, v_scale):
+    block_size = k_cache.shape[2]
+    for t in range(slot_mapping.shape[0]):
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        block = slot // block_size
+        offset = slot % block_size
+        for h in range(k.shape[1]):
+            _quantize_vector(k[t, h], k_cache[block, h, offset], fmt, k_scale, block, h, offset)
+            _quantize_vector(v[t, h], v_cache[block, h, offset], fmt, v_scale, block, h, offset)
+
+
+def calibrate_kv_scales(k: np.ndarray, v: np.ndarray, quant: KVQuant) -> None:
+    """fp8's calculate_kv_scales: the layer's scales from this step's k, v (T, kv_heads, head_dim):
+    max|k| / K_SCALE_CONSTANT and max|v| / V_SCALE_CONSTANT (1.0 where all are 0)."""
+    for x, scale, constant in ((k, quant.k_scale, K_SCALE_CONSTANT), (v, quant.v_scale, V_SCALE_CONSTANT)):
+        top = float(np.abs(x).max()) if x.size else 0.0
+        scale[...] = np.float32(top / constant) if top > 0 else np.float32(1.0)
+
+
 def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
-             slot_mapping: np.ndarray) -> None:
-    """Scatter k, v (T, num_kv_heads, head_dim) into the caches at ``slot_mapping`` (T,)."""
-    _write_kv(k_cache, v_cache, k, v, slot_mapping)
+             slot_mapping: np.ndarray, quant: KVQuant | None = None) -> None:
+    """Scatter k, v (T, num_kv_heads, head_dim) into the caches at ``slot_mapping`` (T,);
+    with ``quant``, as int8 or fp8 bytes (and int8's per-token scales)."""
+    if quant is None:
+        _write_kv(k_cache, v_cache, k, v, slot_mapping)
+    else:
+        _write_kv_quantized(k_cache, v_cache, k, v, slot_mapping, quant.fmt, quant.k_scale, quant.v_scale)
 
 
 # --------------------------------------------------------------------------- block copies (DMA)
@@ -139,7 +175,8 @@ def _swap_blocks(src, dst, block_mapping):
 def swap_blocks(src: np.ndarray, dst: np.ndarray, block_mapping: np.ndarray) -> None:
     """Copy blocks ``block_mapping[:, 0]`` of ``src`` to ``block_mapping[:, 1]`` of ``dst``, all layers.
 
-    src, dst: (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim); block_mapping: (n, 2)
+    src, dst: (num_layers, 2, num_blocks, ...): the K/V pools, or int8's per-block scales
+    block_mapping: (n, 2)
     """
     if len(block_mapping):
         _swap_blocks(src, dst, np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2))
@@ -153,10 +190,17 @@ def copy_blocks(kv_cache: np.ndarray, block_mapping: np.ndarray) -> None:
 # --------------------------------------------------------------------------- paged attention
 
 def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           scale, work, num_threads, out):
+                           scale, work, num_threads, k_scale, v_scale, out):
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    # A compressed cache (kv_quant): values are widened to float32 as they are read (``widen``
+    # is compiled for the cache's element type); int8 scales each token's score and value by
+    # its own scale, fp8's layer scales fold into the queries and the output. KV_FORMAT is
+    # a constant of each compiled copy (``_per_format``), so every branch on it folds away.
+    per_token = KV_FORMAT == KV_INT8
+    layer_k = k_scale[0, 0, 0] if KV_FORMAT != KV_FLOAT and not per_token else np.float32(1.0)
+    layer_v = v_scale[0, 0, 0] if KV_FORMAT != KV_FLOAT and not per_token else np.float32(1.0)
     # Thread `tid` takes work items tid, tid + n, tid + 2n, ...: late tiles of a
     # prompt cost more than early ones, and striding spreads them evenly.
     for tid in prange(num_threads):
@@ -176,7 +220,7 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
             scores = np.empty(block_size, np.float32)
             for r in range(rows):
                 for d in range(head_dim):
-                    qs[r, d] = q[t0 + r // num_heads, r % num_heads, d] * scale
+                    qs[r, d] = q[t0 + r // num_heads, r % num_heads, d] * (scale * layer_k)
             for j in range(last_pos // block_size + 1):
                 block = block_tables[s, j]
                 for r in range(rows):
@@ -189,7 +233,9 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
                     for o in range(valid):
                         dot = np.float32(0.0)
                         for d in range(head_dim):
-                            dot += qs[r, d] * k_cache[block, kv_head, o, d]
+                            dot += qs[r, d] * widen(k_cache[block, kv_head, o, d], KV_FORMAT)
+                        if per_token:
+                            dot *= k_scale[block, kv_head, o]
                         scores[o] = dot
                         new_max = max(new_max, dot)
                     correction = fast_exp(row_max[r] - new_max)
@@ -201,17 +247,32 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
                     for o in range(valid):
                         p = scores[o]
                         total += p
+                        if per_token:
+                            p *= v_scale[block, kv_head, o]
                         for d in range(head_dim):
-                            acc[r, d] += p * v_cache[block, kv_head, o, d]
+                            acc[r, d] += p * widen(v_cache[block, kv_head, o, d], KV_FORMAT)
                     row_sum[r] = total
                     row_max[r] = new_max
             for r in range(rows):
-                inv = 1.0 / row_sum[r]
+                inv = layer_v / row_sum[r]
                 for d in range(head_dim):
                     out[t0 + r // num_heads, r % num_heads, d] = acc[r, d] * inv
 
 
-_paged_attention = two_ways(_paged_attention_body, "ATTENTION_PARALLEL_MIN_WORK")
+KV_FORMAT = KV_FLOAT     # what the copies below replace; read by the kernel body only
+
+
+def _per_format(fn, fmt: int):
+    """A copy of ``fn`` that sees KV_FORMAT = fmt, under its own name (Numba caches by name)."""
+    copy = types.FunctionType(fn.__code__, {**fn.__globals__, "KV_FORMAT": fmt}, f"{fn.__name__}_{fmt}",
+                              fn.__defaults__, fn.__closure__)
+    copy.__qualname__ = f"{fn.__qualname__}_{fmt}"
+    return copy
+
+
+# serial and threaded compilations for each storage format (float, int8, fp8 e4m3, fp8 e5m2)
+_paged_attention = {fmt: two_ways(_per_format(_paged_attention_body, fmt), "ATTENTION_PARALLEL_MIN_WORK")
+                    for fmt in (KV_FLOAT, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2)}
 
 # Queries per sequence from which the two attention products go to BLAS instead.
 BLAS_MIN_QUERIES = 32
@@ -271,7 +332,7 @@ def _causal_softmax(scores, row_pos, scale, sums):
         sums[r] = total
 
 
-def _blas_attention(q, k_cache, v_cache, block_table, seq_len, scale, out) -> None:
+def _blas_attention(q, k_cache, v_cache, block_table, seq_len, scale, out, quant=None) -> None:
     """Attention of one sequence's many queries with two matrix products per KV head.
 
     q, out: (n, num_heads, head_dim), the last n positions of a context of seq_len.
@@ -286,6 +347,9 @@ def _blas_attention(q, k_cache, v_cache, block_table, seq_len, scale, out) -> No
     # (kv_heads, seq_len, head_dim): blocks in logical order, heads first
     keys = k_cache[blocks].transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
     values = v_cache[blocks].transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+    if quant is not None:   # widened as they are gathered: this copy is made for floats too
+        keys = dequantize(keys, quant.fmt, _gathered_scales(quant.k_scale, blocks, seq_len))
+        values = dequantize(values, quant.fmt, _gathered_scales(quant.v_scale, blocks, seq_len))
     for start in range(0, n, BLAS_QUERY_TILE):
         stop = min(start + BLAS_QUERY_TILE, n)
         first_pos = seq_len - n + start
@@ -302,6 +366,14 @@ def _blas_attention(q, k_cache, v_cache, block_table, seq_len, scale, out) -> No
                 (scores @ values[h, : last_pos + 1]) / total[:, None]).reshape(stop - start, group, head_dim)
 
 
+def _gathered_scales(scales: np.ndarray, blocks: np.ndarray, seq_len: int) -> np.ndarray:
+    """int8: the (kv_heads, seq_len, 1) scales of a gathered context; fp8: the layer's (1, 1, 1)."""
+    if scales.shape[0] == 1 and scales.size == 1:
+        return scales.reshape(1, 1, 1)
+    heads = scales.shape[1]
+    return scales[blocks].transpose(1, 0, 2).reshape(heads, -1)[:, :seq_len, None]
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
     """How one batch's attention is split, decided once per step and reused by every layer."""
@@ -309,7 +381,7 @@ class AttentionPlan:
     meta: AttentionMetadata
     blas_seqs: np.ndarray   # (n,) sequences with long query runs: gather + two BLAS products
     work: np.ndarray        # (W, 2) (sequence, first query row) tiles for the Numba kernel
-    kernel: object          # the serial or the threaded compilation, by amount of work
+    work_estimate: int      # picks the serial or the threaded compilation
     num_threads: int
 
 
@@ -322,16 +394,21 @@ def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
     work = attention_work_items(qsl, small)
     # work estimate for the Numba part: query tokens x longest context x 8 heads-ish
     estimate = int(q_lens[small].sum()) * int(meta.seq_lens[small].max()) * 8 if len(small) else 0
-    return AttentionPlan(meta, blas_seqs, work, _paged_attention(estimate), get_num_threads())
+    return AttentionPlan(meta, blas_seqs, work, estimate, get_num_threads())
+
+
+_NO_SCALES = np.ones((1, 1, 1), np.float32)
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                    plan: AttentionPlan | AttentionMetadata, scale: float) -> np.ndarray:
+                    plan: AttentionPlan | AttentionMetadata, scale: float,
+                    quant: KVQuant | None = None) -> np.ndarray:
     """Causal attention of q (T, num_heads, head_dim) through block tables -> (T, num_heads, head_dim).
 
     Sequences with many queries (prompts, prompt chunks) use two BLAS products;
     decodes and short chunks use the Numba kernel, which streams each block once.
     ``plan`` comes from ``plan_attention(meta)`` (a bare ``meta`` is planned here).
+    ``quant`` describes a compressed cache (int8 / fp8 bytes and their scales).
     """
     if isinstance(plan, AttentionMetadata):
         plan = plan_attention(plan)
@@ -341,10 +418,13 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     for s in plan.blas_seqs:
         a, b = qsl[s], qsl[s + 1]
         _blas_attention(q[a:b], k_cache, v_cache, meta.block_tables[s], int(meta.seq_lens[s]),
-                        scale, out[a:b])
+                        scale, out[a:b], quant)
     if len(plan.work):
-        plan.kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, qsl,
-                    np.float32(scale), plan.work, plan.num_threads, out)
+        fmt, k_scale, v_scale = ((KV_FLOAT, _NO_SCALES, _NO_SCALES) if quant is None
+                                 else (quant.fmt, quant.k_scale, quant.v_scale))
+        kernel = _paged_attention[fmt](plan.work_estimate)
+        kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, qsl,
+               np.float32(scale), plan.work, plan.num_threads, k_scale, v_scale, out)
     return out
 
 

@@ -12,6 +12,15 @@ One array holds the whole cache, for every layer, keys and values::
         head 0: [slot 0: head_dim floats][slot 1]...[slot block_size-1]
         head 1: [slot 0 ...]
 
+With a compressed cache (``kv_cache_dtype`` int8 / fp8, ``kernels/kv_quant.py``) the same
+array holds one byte per value, and a second one holds the scales::
+
+    kv_scales: int8: (num_layers, 2, num_blocks, num_kv_heads, block_size)  one per token and head
+               fp8:  (num_layers, 2, 1, 1, 1)                               one per layer, K and V
+
+An int8 block's scales are indexed by the same block id, so whatever moves a block (a swap,
+a copy-on-write) moves its scales with the same block mapping.
+
 A *slot* is ``block_id * block_size + offset``: the physical address of one
 token's K/V, the way a physical address is ``frame * page_size + offset``.
 
@@ -36,9 +45,28 @@ def kv_cache_shape(num_layers: int, num_blocks: int, num_kv_heads: int,
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int,
-                       head_dim: int, itemsize: int) -> int:
-    """Bytes one physical block occupies across all layers, keys and values."""
-    return 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
+                       head_dim: int, itemsize: int, scale_bytes: int = 0) -> int:
+    """Bytes one physical block occupies across all layers, keys and values, with
+    ``scale_bytes`` of scale per (token, KV head) for each of K and V (int8: 4)."""
+    return 2 * num_layers * num_kv_heads * block_size * (head_dim * itemsize + scale_bytes)
+
+
+def kv_scales_shape(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
+                    per_token: bool) -> tuple[int, ...]:
+    """Shape of the scales array of a compressed cache (per token and head, or per layer)."""
+    if per_token:
+        return (num_layers, 2, num_blocks, num_kv_heads, block_size)
+    return (num_layers, 2, 1, 1, 1)
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """How one layer's K/V blocks are stored when they are not plain floats."""
+
+    fmt: int                 # kv_quant.KV_INT8, KV_FP8_E4M3 or KV_FP8_E5M2
+    k_scale: np.ndarray      # int8: (num_blocks, num_kv_heads, block_size); fp8: (1, 1, 1) float32
+    v_scale: np.ndarray
+    calibrate: bool = False  # fp8 with calculate_kv_scales, first step: set the scales from this K/V
 
 
 @dataclass(frozen=True)

@@ -11,20 +11,73 @@ import numpy as np
 
 
 def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
-             slot_mapping: np.ndarray) -> None:
+             slot_mapping: np.ndarray, quant=None) -> None:
     """Scatter new keys/values into their slots (in place).
 
     k_cache, v_cache: (num_blocks, num_kv_heads, block_size, head_dim)
     k, v:             (T, num_kv_heads, head_dim)
     slot_mapping:     (T,) slot = block * block_size + offset; -1 means "do not write"
+    quant:            a layout.KVQuant for a compressed cache: the values are stored as
+                      ``quantize_kv`` says, and int8's scales go to quant.k_scale / v_scale
     """
     block_size = k_cache.shape[2]
     for t, slot in enumerate(slot_mapping):
         if slot < 0:
             continue
         block, offset = divmod(int(slot), block_size)
-        k_cache[block, :, offset, :] = k[t]
-        v_cache[block, :, offset, :] = v[t]
+        if quant is None:
+            k_cache[block, :, offset, :] = k[t]
+            v_cache[block, :, offset, :] = v[t]
+            continue
+        for x, cache, scales in ((k[t], k_cache, quant.k_scale), (v[t], v_cache, quant.v_scale)):
+            codes, token_scales = quantize_kv(x, quant.fmt, scales)
+            cache[block, :, offset, :] = codes
+            if token_scales is not None:
+                scales[block, :, offset] = token_scales
+
+
+KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2 = 1, 2, 3      # kv_quant's format numbers
+
+
+def _fp8_dtype(fmt: int):
+    import ml_dtypes  # noqa: PLC0415 (the float8 reference conversions; a test dependency)
+
+    return {KV_FP8_E4M3: ml_dtypes.float8_e4m3fn, KV_FP8_E5M2: ml_dtypes.float8_e5m2}[fmt]
+
+
+def quantize_kv(x: np.ndarray, fmt: int, layer_scale: np.ndarray):
+    """One token's K or V (num_kv_heads, head_dim) -> (codes, per-head scales or None).
+
+    int8: scale = max|x| / 127 per head, code = round(x / scale) (0 where the head is all 0).
+    fp8:  code = the fp8 byte nearest x / layer scale (ties to even), saturated at the
+          format's largest finite value (448 for e4m3, 57344 for e5m2).
+    """
+    x = x.astype(np.float32)
+    if fmt == KV_INT8:
+        scales = (np.abs(x).max(axis=-1) / np.float32(127.0)).astype(np.float32)     # (heads,)
+        safe = np.where(scales > 0, scales, np.float32(1.0))
+        codes = np.where(scales[:, None] > 0, np.rint(x / safe[:, None]), 0).astype(np.int8)
+        return codes, scales
+    dtype = _fp8_dtype(fmt)
+    largest = float(np.finfo(dtype).max)
+    scaled = np.clip(x / np.float32(layer_scale.reshape(-1)[0]), -largest, largest)
+    return scaled.astype(dtype).view(np.uint8), None
+
+
+def calibrate_kv_scales(k: np.ndarray, v: np.ndarray, quant) -> None:
+    """fp8's calculate_kv_scales (vLLM's): the layer scale is max|x| over the step's K (V)
+    divided by 200 (100 for V), 1.0 if they are all 0."""
+    for x, scale, constant in ((k, quant.k_scale, 200.0), (v, quant.v_scale, 100.0)):
+        top = float(np.abs(x.astype(np.float64)).max()) if x.size else 0.0
+        scale[...] = np.float32(top / constant) if top > 0 else np.float32(1.0)
+
+
+def dequantize_kv(codes: np.ndarray, fmt: int, scales: np.ndarray) -> np.ndarray:
+    """A whole compressed cache back to float32: codes (num_blocks, heads, block_size, head_dim);
+    scales: int8 (num_blocks, heads, block_size), fp8 (1, 1, 1)."""
+    if fmt == KV_INT8:
+        return codes.astype(np.float32) * scales[..., None]
+    return codes.view(_fp8_dtype(fmt)).astype(np.float32) * scales.reshape(-1)[0]
 
 
 def swap_blocks(src: np.ndarray, dst: np.ndarray, block_mapping: np.ndarray) -> None:
@@ -133,3 +186,62 @@ def exp(x: np.ndarray) -> np.ndarray:
     """e^x (any shape), in float64, of x clamped to [EXP_MIN, EXP_MAX]; 0 below EXP_MIN."""
     x64 = np.asarray(x, dtype=np.float64)
     return np.where(x64 < EXP_MIN, 0.0, np.exp(np.minimum(x64, EXP_MAX)))
+
+
+def key_bounds(k_cache: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Quest's page metadata of whole blocks: the element-wise min and max of each block's keys.
+
+    k_cache: (num_blocks, num_kv_heads, block_size, head_dim) -> two (num_blocks, num_kv_heads, head_dim)
+    (the kernels keep them over the slots written so far; for full blocks the two agree)
+    """
+    k = k_cache.astype(np.float32)
+    return k.min(axis=2), k.max(axis=2)
+
+
+def select_blocks(q_head: np.ndarray, key_min: np.ndarray, key_max: np.ndarray, num_blocks: int,
+                  keep: int) -> np.ndarray:
+    """The blocks one query head attends to under a budget of ``keep`` blocks (Quest).
+
+    q_head: (head_dim,); key_min, key_max: (num_blocks, head_dim) of its KV head, the context's
+    blocks in logical order. A block's score is the most any of its keys could score,
+    sum_i max(q_i * min_i, q_i * max_i); the first and the last (partly filled) block are always
+    kept, then the highest scores (ties: the earlier block). Returns sorted logical block indices.
+    """
+    if keep >= num_blocks:
+        return np.arange(num_blocks)
+    bound = np.maximum(q_head * key_min[:num_blocks], q_head * key_max[:num_blocks]).sum(axis=1)   # (num_blocks,)
+    middle = np.arange(1, num_blocks - 1)
+    order = middle[np.argsort(-bound[middle], kind="stable")][: keep - 2]
+    return np.sort(np.concatenate([[0], order, [num_blocks - 1]]))
+
+
+def sparse_decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                            key_min: np.ndarray, key_max: np.ndarray, block_tables: np.ndarray,
+                            seq_lens: np.ndarray, scale: float, budget: int) -> np.ndarray:
+    """Block-sparse decode attention (one query per sequence): each head attends only to the
+    blocks ``select_blocks`` keeps within ``budget`` tokens (budget // block_size blocks).
+
+    q: (S, num_heads, head_dim); key_min, key_max: (num_blocks, num_kv_heads, head_dim) physical
+    returns (S, num_heads, head_dim) float32; equal to dense attention when the budget covers
+    the whole context.
+    """
+    num_heads, block_size = q.shape[1], k_cache.shape[2]
+    group = num_heads // k_cache.shape[1]
+    keep = budget // block_size
+    out = np.zeros(q.shape, dtype=np.float32)
+    for s in range(len(seq_lens)):
+        seq_len = int(seq_lens[s])
+        n = -(-seq_len // block_size)
+        table = block_tables[s, :n]
+        keys = gather_context(k_cache, block_tables[s], seq_len)       # (seq_len, Hkv, D)
+        values = gather_context(v_cache, block_tables[s], seq_len)
+        for h in range(num_heads):
+            kv = h // group
+            qh = q[s, h].astype(np.float32) * scale
+            chosen = select_blocks(qh, key_min[table, kv], key_max[table, kv], n, keep)
+            positions = np.concatenate([np.arange(b * block_size, min((b + 1) * block_size, seq_len))
+                                        for b in chosen])
+            scores = keys[positions, kv, :] @ qh
+            weights = np.exp(scores - scores.max())
+            out[s, h] = (weights / weights.sum()) @ values[positions, kv, :]
+    return out

@@ -28,6 +28,10 @@ def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+# vLLM's names; kernels/kv_quant.py says what each stores
+KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Shape of the physical KV pool: frames of ``block_size`` token slots."""
@@ -38,6 +42,8 @@ class CacheConfig:
     swap_space: float = 4.0              # GiB of CPU memory for blocks swapped out (vLLM's default)
     watermark: float = 0.01              # fraction of the pool kept free when admitting
     gpu_memory_utilization: float = 0.9  # GPU: share of device memory for weights + activations + KV
+    kv_cache_dtype: str = "auto"         # auto (the model's dtype), int8, fp8 (= fp8_e4m3), fp8_e5m2
+    calculate_kv_scales: bool = False    # fp8: per-layer scales from the first step's K/V, not 1.0
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and is_power_of_two(self.block_size)
@@ -54,6 +60,10 @@ class CacheConfig:
                  f"watermark must be in [0, 1), got {self.watermark!r}")
         _require(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1,
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPE_NAMES,
+                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}")
+        _require(isinstance(self.calculate_kv_scales, bool),
+                 f"calculate_kv_scales must be True or False, got {self.calculate_kv_scales!r}")
 
 
 PREEMPTION_MODES = ("swap", "recompute", "auto")

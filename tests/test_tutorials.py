@@ -201,3 +201,10 @@ def test_t14_the_roofline():
     assert "minipaged sets OPENBLAS_THREAD_TIMEOUT=16 (OpenBLAS's threads spin 2**16 cycles" in out
     assert re.search(r"for Numba's OpenMP pool, GOMP_SPINCOUNT=\d+ .* KMP_BLOCKTIME=\d+", out)
     assert "python -m minipaged bench roofline" in out
+
+
+def test_t15_compressed_kv_cache():
+    out = run_tutorial("15_compressed_kv_cache.py")
+    assert "3.76x float32" in out and "4.00x float32" in out
+    assert "bytes and scales identical" in out
+    assert "perplexity" in out and "Done: one byte a value" in out

@@ -4,6 +4,10 @@ The block manager only deals in block *numbers*; this class holds the arrays
 those numbers index (layout in ``kernels/layout.py``), sizes them, and carries
 out the block manager's swap plans with the kernels' block-copy op, the way a
 DMA engine carries out the transfers an OS programs.
+
+With ``kv_cache_dtype`` int8 or fp8 the pool holds one byte per value (``kernels/kv_quant.py``)
+and a scales array beside it; int8's scales are per block, so every swap and copy moves
+them with the same block mapping as the bytes.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import CacheConfig
-from ..kernels.layout import kv_bytes_per_block, kv_cache_shape
+from ..kernels.kv_quant import KV_FLOAT, KV_INT8, STORAGE_DTYPE, kv_format, scale_bytes_per_token_head
+from ..kernels.layout import KVQuant, kv_bytes_per_block, kv_cache_shape, kv_scales_shape
 
 DEFAULT_CPU_KV_SPACE_GIB = 4.0  # as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE)
 GIB = 1 << 30
@@ -24,9 +29,13 @@ class CacheEngine:
         xp = ops.xp
         self.ops = ops
         self.block_size = cache_config.block_size
+        self.kv_format = kv_format(cache_config.kv_cache_dtype)
+        storage = dtype if self.kv_format == KV_FLOAT else STORAGE_DTYPE[self.kv_format]
+        self.storage_dtype = np.dtype(storage)
         self.bytes_per_block = kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads,
                                                   cache_config.block_size, c.head_dim,
-                                                  xp.dtype(dtype).itemsize)
+                                                  self.storage_dtype.itemsize,
+                                                  scale_bytes_per_token_head(self.kv_format))
         if cache_config.num_blocks is not None:
             self.num_blocks = cache_config.num_blocks
         elif gpu_num_blocks is not None:      # measured by profile_gpu_num_blocks
@@ -43,14 +52,28 @@ class CacheEngine:
             return kv_cache_shape(c.num_hidden_layers, num_blocks, c.num_key_value_heads,
                                   cache_config.block_size, c.head_dim)
 
+        def scales_shape(num_blocks: int) -> tuple[int, ...]:
+            return kv_scales_shape(c.num_hidden_layers, num_blocks, c.num_key_value_heads,
+                                   cache_config.block_size, per_token=self.kv_format == KV_INT8)
+
         # Zeros are mapped lazily by the OS, so an unused block costs address space, not RAM.
         try:
-            self.kv_cache = xp.zeros(shape(self.num_blocks), dtype=dtype)   # the device pool
+            self.kv_cache = xp.zeros(shape(self.num_blocks), dtype=storage)   # the device pool
             # the swap space is host memory whatever the device; on a GPU it is pinned and
             # mapped, so the block-copy kernel reads and writes it directly over PCIe
-            self.cpu_cache = (np.zeros(shape(self.num_cpu_blocks), dtype=dtype)
+            self.cpu_cache = (np.zeros(shape(self.num_cpu_blocks), dtype=storage)
                               if xp is np or self.num_cpu_blocks == 0
-                              else _pinned(shape(self.num_cpu_blocks), dtype))
+                              else _pinned(shape(self.num_cpu_blocks), storage))
+            # int8: a scale per (token, head) in every block, swapped with it; fp8: per layer,
+            # 1.0 as vLLM's default (K and V of every layer)
+            self.kv_scales = self.cpu_scales = None
+            if self.kv_format == KV_INT8:
+                self.kv_scales = xp.zeros(scales_shape(self.num_blocks), dtype=np.float32)
+                self.cpu_scales = np.zeros(scales_shape(self.num_cpu_blocks), dtype=np.float32)
+            elif self.kv_format != KV_FLOAT:
+                self.kv_scales = xp.ones(scales_shape(0), dtype=np.float32)
+            # fp8 with calculate_kv_scales: the first step sets the layer scales (vLLM's rule)
+            self.scales_pending = cache_config.calculate_kv_scales and self.kv_format not in (KV_FLOAT, KV_INT8)
         except MemoryError:
             raise ValueError(f"could not allocate a KV pool of {self.num_blocks} blocks "
                              f"({self.total_bytes / GIB:.1f} GiB) and a swap space of "
@@ -61,17 +84,34 @@ class CacheEngine:
     def total_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
+    def layer_quant(self, layer: int) -> KVQuant | None:
+        """What the kernels need to read and write layer ``layer``'s compressed blocks."""
+        if self.kv_format == KV_FLOAT:
+            return None
+        return KVQuant(self.kv_format, self.kv_scales[layer, 0], self.kv_scales[layer, 1],
+                       calibrate=self.scales_pending)
+
+    @property
+    def per_block_scales(self) -> bool:
+        return self.kv_format == KV_INT8
+
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
-        """Copy (device block, CPU block) pairs into the swap space."""
+        """Copy (device block, CPU block) pairs into the swap space (bytes and their scales)."""
         self.ops.swap_blocks(self.kv_cache, self.cpu_cache, mapping)
+        if self.per_block_scales:
+            self.ops.swap_blocks(self.kv_scales, self.cpu_scales, mapping)
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy (CPU block, device block) pairs back into the device pool."""
         self.ops.swap_blocks(self.cpu_cache, self.kv_cache, mapping)
+        if self.per_block_scales:
+            self.ops.swap_blocks(self.cpu_scales, self.kv_scales, mapping)
 
     def copy(self, mapping: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate (shared block, private block) pairs inside the device pool."""
         self.ops.copy_blocks(self.kv_cache, mapping)
+        if self.per_block_scales:
+            self.ops.copy_blocks(self.kv_scales, mapping)
 
 
 def _pinned(shape, dtype):

@@ -62,6 +62,12 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
                         "per request at admission, as systems before vLLM did")
     g.add_argument("--contiguous-reserve", default="max_model_len", choices=["max_model_len", "max_tokens"],
                    help="what the contiguous baseline reserves: max_model_len slots, or prompt + max_tokens")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="how KV blocks are stored: auto (the model's dtype), int8 (a scale per token and "
+                        "head), fp8 = fp8_e4m3 or fp8_e5m2 (a scale per layer); one byte a value (CPU only so far)")
+    g.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=False,
+                   help="fp8 KV cache: per-layer K and V scales from the first step's values "
+                        "(max / 200 and max / 100, as vLLM) instead of 1.0")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="GPU: share of the device's memory for weights, activations and the KV cache")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
@@ -82,7 +88,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                                        else args.enable_prefix_caching),
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_allocator=args.kv_allocator, contiguous_reserve=args.contiguous_reserve,
-                max_logprobs=args.max_logprobs)
+                max_logprobs=args.max_logprobs, kv_cache_dtype=args.kv_cache_dtype,
+                calculate_kv_scales=args.calculate_kv_scales)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float,

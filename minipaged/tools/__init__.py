@@ -8,6 +8,7 @@
     bench_serve.py  ``bench serve``: streaming HTTP clients with Poisson arrivals against the server
     roofline.py     ``bench roofline``: the machine's matmul peak and read bandwidth, and each decode
                     and prefill step against its bound, with where the time goes
+    quality.py      ``bench quality``: perplexity and golden agreement for each kv_cache_dtype
     gpu_check.py    ``python -m minipaged.gpu_check``: every CUDA kernel checked and timed on a GPU,
                     then the engine end to end (``--smoke``: the same on the CPU harness)
     viz.py          pictures of the KV pool and the page tables from real engine state (text, SVG)

@@ -7,7 +7,7 @@ against contiguous), each warmed up and then measured on the same trace. The
 traces are in workloads.py, the timing in measure.py, the tables and the plot in
 report.py, the Hugging Face peer in bench_peers.py, the HTTP clients of ``bench serve`` in
 bench_serve.py, the machine's limits and the steps against them (``bench roofline``) in
-roofline.py.
+roofline.py, the compressed KV cache's quality (``bench quality``) in quality.py.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .bench_peers import run_peer
 from .bench_serve import bench_serve
 from .measure import run_workload
 from .report import memory_figures, plot_memory, print_result, print_roofline, print_table
+from .quality import check_quality_args, print_quality, run_quality
 from .roofline import check_roofline_args, run_roofline
 from .workloads import PEER_WORKLOADS, WORKLOAD_ENGINE, WORKLOADS, BenchRequest, make_prompts, make_requests
 
@@ -62,6 +63,10 @@ def add_bench_parser(sub, add_engine_flags) -> None:
                    help="roofline: prompt lengths of the prefill rows (default 256,2048; empty: none)")
     p.add_argument("--steps", type=int, default=None, help="roofline: decode steps timed per batch size")
     p.add_argument("--prefill-repeats", type=int, default=None, help="roofline: timed runs per prefill")
+    p.add_argument("--kv-cache-dtypes", default=None, metavar="D,D,...",
+                   help="quality: the kv_cache_dtype of each engine compared (default auto,int8,fp8,fp8_e5m2)")
+    p.add_argument("--num-tokens", type=int, default=None, help="quality: tokens of text scored")
+    p.add_argument("--window", type=int, default=None, help="quality: tokens per perplexity window")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the prompt lengths and ids")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--peer", choices=["hf"], default=None,
@@ -88,6 +93,9 @@ def check_bench_args(args: argparse.Namespace, defaults: dict) -> None:
     if args.workload == "roofline":
         check_roofline_args({k: getattr(args, k) if getattr(args, k) is not None else v
                              for k, v in defaults.items()})
+    if args.workload == "quality":
+        check_quality_args({k: getattr(args, k) if getattr(args, k) is not None else v
+                            for k, v in defaults.items()})
     if args.workload == "memory" and args.enable_prefix_caching:
         raise ValueError("the memory workload compares paging with the contiguous baseline, which "
                          "has no prefix caching; run it without --enable-prefix-caching")
@@ -139,10 +147,13 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
     _, defaults = WORKLOADS[args.workload]
     check_bench_args(args, defaults)
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
-    if args.workload == "roofline":
-        report = {"workload": "roofline", "config": cfg, "engine": engine_kwargs, "versions": library_versions(),
-                  **run_roofline(engine_kwargs, cfg)}
-        print_roofline(report)
+    # the workloads that run their own engines and print their own table
+    own = {"roofline": (run_roofline, print_roofline), "quality": (run_quality, print_quality)}
+    if args.workload in own:
+        run, show = own[args.workload]
+        report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs,
+                  "versions": library_versions(), **run(engine_kwargs, cfg)}
+        show(report)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)

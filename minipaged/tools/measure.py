@@ -26,6 +26,7 @@ def run_workload(engine, requests: list[BenchRequest], progress: bool = True) ->
     gaps: list[float] = []            # inter-token latencies of measured requests (s per token)
     outputs = []
     step = 0
+    running_peak = 0                  # most requests holding KV blocks at once
     start = time.perf_counter()
     with tqdm(total=len(requests), desc="requests", disable=not progress) as bar:
         while pending or engine.has_unfinished_requests():
@@ -38,7 +39,9 @@ def run_workload(engine, requests: list[BenchRequest], progress: bool = True) ->
                 engine.add_request(f"bench-{i}", req.prompt, SamplingParams(
                     n=req.n, temperature=1.0 if req.n > 1 else 0.0, seed=i, max_tokens=req.output_len,
                     ignore_eos=True, detokenize=False, output_kind=OutputKind.DELTA))
-            for out in engine.step():
+            outs = engine.step()
+            running_peak = max(running_peak, len(engine.scheduler.running))
+            for out in outs:
                 now = time.perf_counter()
                 rid = out.request_id
                 new = len(out.outputs[0].token_ids)
@@ -69,6 +72,7 @@ def run_workload(engine, requests: list[BenchRequest], progress: bool = True) ->
         "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
         "decode_tok_s_single": 1.0 / percentile(tpot, 50) if len(requests) == 1 and tpot else None,
         "kv_blocks_peak": stats["kv_blocks_peak"],
+        "max_running_requests": running_peak,
         "kv_blocks_unshared_peak": stats["kv_blocks_unshared_peak"],
         "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
         "num_preemptions": stats["num_preemptions"],

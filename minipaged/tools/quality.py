@@ -1,0 +1,138 @@
+"""``python -m minipaged bench quality``: what a compressed KV cache costs in quality.
+
+For each ``kv_cache_dtype`` asked for (default auto, int8, fp8, fp8_e5m2), one engine:
+
+- **Perplexity** over real English text that ships with Python: the reference documentation
+  of ``pydoc_data.topics`` (the text ``help()`` shows), topics in sorted order, the first
+  NUM_TOKENS tokens in windows of WINDOW tokens. Each window is one prompt with
+  ``prompt_logprobs=0``: the log-probability the model gives each of its tokens after the
+  ones before (the first of each window has no context and is not counted).
+  ppl = exp(mean negative log-likelihood). The window's own K/V are written to the cache
+  and read back by its attention, so the compression is in every prediction.
+- **Golden agreement**: greedy continuations of the golden prompts (``tests/golden``, from an
+  independent implementation) against its tokens: how many of the 48 steps agree before the
+  first difference, summed, and the prompts that agree all the way.
+
+Measured, never asserted in tests (docs/kv_cache_dtype.md has the numbers and the rerun lines).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from ..engine.backend import release_device_memory
+from ..engine.llm_engine import LLMEngine
+from ..sampling_params import SamplingParams
+
+GOLDEN = Path(__file__).resolve().parents[2] / "tests" / "golden" / "smollm2_135m_instruct.json"
+TEXT_SOURCE = "pydoc_data.topics (Python's reference documentation, as help() shows it)"
+
+
+def reference_text() -> str:
+    """The English text: every topic of Python's own pydoc_data.topics, in sorted order."""
+    from pydoc_data.topics import topics  # noqa: PLC0415 (ships with CPython)
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+def check_quality_args(cfg: dict) -> list[str]:
+    """The dtypes to compare, after checking every setting (before any model loads)."""
+    from ..config import KV_CACHE_DTYPE_NAMES  # noqa: PLC0415
+
+    dtypes = [d.strip() for d in str(cfg["kv_cache_dtypes"]).split(",") if d.strip()]
+    if not dtypes:
+        raise ValueError("--kv-cache-dtypes is empty; give e.g. auto,int8,fp8")
+    for d in dtypes:
+        if d not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(f"--kv-cache-dtypes: {d!r} is not one of {', '.join(KV_CACHE_DTYPE_NAMES)}")
+    for key in ("num_tokens", "window"):
+        if not (isinstance(cfg[key], int) and cfg[key] >= 2):
+            raise ValueError(f"--{key.replace('_', '-')} must be an integer >= 2, got {cfg[key]!r}")
+    if cfg["window"] > cfg["num_tokens"]:
+        raise ValueError(f"--window {cfg['window']} is longer than --num-tokens {cfg['num_tokens']}")
+    return dtypes
+
+
+def perplexity(engine: LLMEngine, token_ids: list[int], window: int) -> dict:
+    """exp(mean NLL) of ``token_ids`` read in windows of ``window`` tokens (see the module)."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    windows = [token_ids[i:i + window] for i in range(0, len(token_ids), window)]
+    windows = [w for w in windows if len(w) >= 2]
+    for i, w in enumerate(windows):
+        engine.add_request(f"ppl-{i}", {"prompt_token_ids": w}, params)
+    nll, counted = 0.0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if not out.finished:
+                continue
+            for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+                nll -= entry[out.prompt_token_ids[pos]]
+                counted += 1
+    return {"perplexity": math.exp(nll / counted), "tokens_scored": counted, "windows": len(windows)}
+
+
+def golden_agreement(engine: LLMEngine, golden: dict) -> dict:
+    cases = golden["prompts"]
+    params = SamplingParams(temperature=0.0, max_tokens=len(cases[0]["new_ids"]), ignore_eos=True)
+    for i, case in enumerate(cases):
+        engine.add_request(f"golden-{i}", {"prompt_token_ids": case["prompt_ids"]}, params)
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+    agreed, whole = 0, 0
+    for i, case in enumerate(cases):
+        tokens = got[f"golden-{i}"]
+        steps = next((j for j, (a, b) in enumerate(zip(tokens, case["new_ids"])) if a != b), len(case["new_ids"]))
+        agreed += steps
+        whole += steps == len(case["new_ids"])
+    total = sum(len(c["new_ids"]) for c in cases)
+    return {"golden_steps_agreed": agreed, "golden_steps": total, "golden_agreement": agreed / total,
+            "golden_prompts_identical": whole, "golden_prompts": len(cases)}
+
+
+def run_quality(engine_kwargs: dict, cfg: dict) -> dict:
+    """One engine per dtype, the same text and prompts for each; a row per dtype."""
+    dtypes = check_quality_args(cfg)
+    golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else None
+    rows = {}
+    token_ids = None
+    for dtype in dtypes:
+        release_device_memory()
+        engine = LLMEngine(**{**engine_kwargs, "kv_cache_dtype": dtype, "log_stats_interval": 0})
+        if token_ids is None:
+            token_ids = engine.tokenizer.encode(reference_text())[: cfg["num_tokens"]]
+            if len(token_ids) < cfg["num_tokens"]:
+                raise ValueError(f"the text has only {len(token_ids)} tokens; lower --num-tokens")
+        start = time.perf_counter()
+        row = {"kv_cache_dtype": dtype, "num_blocks": engine.cache.num_blocks,
+               "bytes_per_block": engine.cache.bytes_per_block,
+               **perplexity(engine, token_ids, min(cfg["window"], engine.max_model_len))}
+        if golden is not None:
+            row.update(golden_agreement(engine, golden))
+        row["seconds"] = time.perf_counter() - start
+        rows[dtype] = row
+        engine = None
+    if "auto" in rows:
+        base = rows["auto"]["perplexity"]
+        for row in rows.values():
+            row["perplexity_vs_auto"] = row["perplexity"] / base - 1.0
+    return {"text": TEXT_SOURCE, "rows": rows}
+
+
+def print_quality(report: dict) -> None:
+    print(f"\nquality: {report['text']}")
+    head = f"{'kv_cache_dtype':>15} {'blocks':>8} {'perplexity':>11} {'vs auto':>8} {'golden steps':>13} {'identical':>10}"
+    print(head)
+    for dtype, r in report["rows"].items():
+        vs = f"{100 * r['perplexity_vs_auto']:+.2f}%" if "perplexity_vs_auto" in r else "-"
+        gold = f"{r['golden_steps_agreed']}/{r['golden_steps']}" if "golden_steps" in r else "-"
+        same = f"{r['golden_prompts_identical']}/{r['golden_prompts']}" if "golden_prompts" in r else "-"
+        print(f"{dtype:>15} {r['num_blocks']:>8} {r['perplexity']:>11.4f} {vs:>8} {gold:>13} {same:>10}")
+    rows = list(report["rows"].values())
+    print(f"  ({rows[0]['tokens_scored']} tokens scored in {rows[0]['windows']} windows per dtype)"
+          if rows else "")
