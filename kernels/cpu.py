@@ -20,7 +20,7 @@ from numba import get_num_threads, njit, prange
 
 from .kv_quant import (K_SCALE_CONSTANT, KV_FLOAT, KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8, V_SCALE_CONSTANT,
                        _float_from_bits, dequantize, float_to_fp8, widen)
-from .layout import AttentionMetadata, KVQuant
+from .layout import AttentionMetadata, BlockBounds, KVQuant
 
 xp = np  # the array module this backend computes with
 
@@ -151,10 +151,33 @@ def calibrate_kv_scales(k: np.ndarray, v: np.ndarray, quant: KVQuant) -> None:
         scale[...] = np.float32(top / constant) if top > 0 else np.float32(1.0)
 
 
+@njit(cache=True)
+def _update_key_bounds(k, slot_mapping, block_size, key_min, key_max):
+    """Each written key widens its block's [min, max]; a block's first slot starts them
+    afresh (a freed block's old bounds are forgotten)."""
+    for t in range(slot_mapping.shape[0]):
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        block = slot // block_size
+        if slot % block_size == 0:
+            key_min[block] = k[t]
+            key_max[block] = k[t]
+        else:
+            for h in range(k.shape[1]):
+                for d in range(k.shape[2]):
+                    key_min[block, h, d] = min(key_min[block, h, d], k[t, h, d])
+                    key_max[block, h, d] = max(key_max[block, h, d], k[t, h, d])
+
+
 def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
-             slot_mapping: np.ndarray, quant: KVQuant | None = None) -> None:
+             slot_mapping: np.ndarray, quant: KVQuant | None = None,
+             bounds: BlockBounds | None = None) -> None:
     """Scatter k, v (T, num_kv_heads, head_dim) into the caches at ``slot_mapping`` (T,);
-    with ``quant``, as int8 or fp8 bytes (and int8's per-token scales)."""
+    with ``quant``, as int8 or fp8 bytes (and int8's per-token scales); with ``bounds``,
+    keeping each block's key min / max (block-sparse attention's page metadata)."""
+    if bounds is not None:
+        _update_key_bounds(k, slot_mapping, k_cache.shape[2], bounds.key_min, bounds.key_max)
     if quant is None:
         _write_kv(k_cache, v_cache, k, v, slot_mapping)
     else:
@@ -189,8 +212,32 @@ def copy_blocks(kv_cache: np.ndarray, block_mapping: np.ndarray) -> None:
 
 # --------------------------------------------------------------------------- paged attention
 
+@njit(cache=True)
+def _choose_blocks(qs, key_min, key_max, table, num_blocks, keep, num_heads, group):
+    """(rows, num_blocks) bool: the blocks each query row (a head) keeps. A block's score is the
+    most any of its keys could give, sum_d max(q_d * min_d, q_d * max_d); the first and last
+    blocks always stay, then the keep - 2 highest of the others (ties: the earlier block)."""
+    rows, head_dim = qs.shape
+    chosen = np.zeros((rows, num_blocks), np.bool_)
+    bound = np.empty(num_blocks - 2, np.float32)
+    for r in range(rows):
+        kv_head = (r % num_heads) // group
+        for j in range(1, num_blocks - 1):
+            block = table[j]
+            total = np.float32(0.0)
+            for d in range(head_dim):
+                total += max(qs[r, d] * key_min[block, kv_head, d], qs[r, d] * key_max[block, kv_head, d])
+            bound[j - 1] = -total
+        order = np.argsort(bound, kind="mergesort")          # stable: ties keep block order
+        chosen[r, 0] = True
+        chosen[r, num_blocks - 1] = True
+        for i in range(keep - 2):
+            chosen[r, 1 + order[i]] = True
+    return chosen
+
+
 def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           scale, work, num_threads, k_scale, v_scale, out):
+                           scale, work, num_threads, k_scale, v_scale, key_min, key_max, keep, out):
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -221,9 +268,17 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
             for r in range(rows):
                 for d in range(head_dim):
                     qs[r, d] = q[t0 + r // num_heads, r % num_heads, d] * (scale * layer_k)
-            for j in range(last_pos // block_size + 1):
+            num_ctx_blocks = last_pos // block_size + 1
+            # Block-sparse decode (Quest): a decoding head attends only to the `keep` blocks
+            # whose keys could score highest, always the first and the last.
+            sparse = keep > 0 and seq_end - seq_start == 1 and num_ctx_blocks > keep
+            chosen = _choose_blocks(qs, key_min, key_max, block_tables[s], num_ctx_blocks, keep,
+                                    num_heads, group) if sparse else _ALL_BLOCKS
+            for j in range(num_ctx_blocks):
                 block = block_tables[s, j]
                 for r in range(rows):
+                    if sparse and not chosen[r, j]:
+                        continue
                     kv_head = (r % num_heads) // group          # GQA: heads share a KV head
                     # causal: this query sees positions <= its own
                     valid = min(block_size, first_pos + r // num_heads - j * block_size + 1)
@@ -260,6 +315,7 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
 
 
 KV_FORMAT = KV_FLOAT     # what the copies below replace; read by the kernel body only
+_ALL_BLOCKS = np.ones((1, 1), np.bool_)   # dense attention: no selection
 
 
 def _per_format(fn, fmt: int):
@@ -397,18 +453,20 @@ def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
     return AttentionPlan(meta, blas_seqs, work, estimate, get_num_threads())
 
 
-_NO_SCALES = np.ones((1, 1, 1), np.float32)
+_NO_SCALES = np.ones((1, 1, 1), np.float32)    # a float cache: no scales
+_NO_BOUNDS = np.zeros((1, 1, 1), np.float32)   # dense attention: no page metadata
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     plan: AttentionPlan | AttentionMetadata, scale: float,
-                    quant: KVQuant | None = None) -> np.ndarray:
+                    quant: KVQuant | None = None, bounds: BlockBounds | None = None) -> np.ndarray:
     """Causal attention of q (T, num_heads, head_dim) through block tables -> (T, num_heads, head_dim).
 
     Sequences with many queries (prompts, prompt chunks) use two BLAS products;
     decodes and short chunks use the Numba kernel, which streams each block once.
     ``plan`` comes from ``plan_attention(meta)`` (a bare ``meta`` is planned here).
-    ``quant`` describes a compressed cache (int8 / fp8 bytes and their scales).
+    ``quant`` describes a compressed cache (int8 / fp8 bytes and their scales); ``bounds``
+    turns on block-sparse decode attention (prefills and chunks stay dense).
     """
     if isinstance(plan, AttentionMetadata):
         plan = plan_attention(plan)
@@ -423,8 +481,10 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         fmt, k_scale, v_scale = ((KV_FLOAT, _NO_SCALES, _NO_SCALES) if quant is None
                                  else (quant.fmt, quant.k_scale, quant.v_scale))
         kernel = _paged_attention[fmt](plan.work_estimate)
+        key_min, key_max, keep = ((_NO_BOUNDS, _NO_BOUNDS, 0) if bounds is None
+                                  else (bounds.key_min, bounds.key_max, bounds.keep))
         kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, qsl,
-               np.float32(scale), plan.work, plan.num_threads, k_scale, v_scale, out)
+               np.float32(scale), plan.work, plan.num_threads, k_scale, v_scale, key_min, key_max, keep, out)
     return out
 
 

@@ -59,6 +59,20 @@ def kv_scales_shape(num_layers: int, num_blocks: int, num_kv_heads: int, block_s
     return (num_layers, 2, 1, 1, 1)
 
 
+def key_bounds_shape(num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """Block-sparse attention's page metadata: per layer, [min | max] of each block's keys."""
+    return (num_layers, 2, num_blocks, num_kv_heads, head_dim)
+
+
+@dataclass(frozen=True)
+class BlockBounds:
+    """One layer's page metadata for block-sparse decode attention (Quest), and its budget."""
+
+    key_min: np.ndarray      # (num_blocks, num_kv_heads, head_dim) element-wise min of the keys written
+    key_max: np.ndarray      # (num_blocks, num_kv_heads, head_dim) element-wise max
+    keep: int                # blocks a decoding query head attends to (the token budget // block_size)
+
+
 @dataclass(frozen=True)
 class KVQuant:
     """How one layer's K/V blocks are stored when they are not plain floats."""

@@ -44,6 +44,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # GPU: share of device memory for weights + activations + KV
     kv_cache_dtype: str = "auto"         # auto (the model's dtype), int8, fp8 (= fp8_e4m3), fp8_e5m2
     calculate_kv_scales: bool = False    # fp8: per-layer scales from the first step's K/V, not 1.0
+    sparse_attention_budget: int | None = None   # tokens a decoding head attends to (Quest); None: dense
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and is_power_of_two(self.block_size)
@@ -62,6 +63,11 @@ class CacheConfig:
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPE_NAMES,
                  f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}")
+        _require(self.sparse_attention_budget is None
+                 or (_is_int(self.sparse_attention_budget) and self.sparse_attention_budget >= 2 * self.block_size),
+                 f"sparse_attention_budget must be a number of tokens >= 2 * block_size "
+                 f"({2 * self.block_size}: the first and the last block are always kept), "
+                 f"got {self.sparse_attention_budget!r}")
         _require(isinstance(self.calculate_kv_scales, bool),
                  f"calculate_kv_scales must be True or False, got {self.calculate_kv_scales!r}")
 

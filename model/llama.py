@@ -91,12 +91,13 @@ class LlamaModel:
         return sum(int(a.nbytes) for a in {id(a): a for a in arrays}.values())   # a tied head once
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices,
-                layer_quant=None):
+                layer_quant=None, layer_bounds=None):
         """Run T new tokens through the model; return logits only where they are needed.
 
         input_ids, positions: (T,) int; kv_cache: (layers, 2, blocks, kv_heads, block_size, head_dim)
         logits_indices: (N,) rows of the batch whose next token will be sampled
         layer_quant: for a compressed KV cache, layer_quant(i) -> kernels.layout.KVQuant
+        layer_bounds: for block-sparse decode attention, layer_bounds(i) -> kernels.layout.BlockBounds
         returns (N, vocab) float32
         """
         ops, c = self.ops, self.config
@@ -113,15 +114,16 @@ class LlamaModel:
             q = ops.rotary(q, positions, self.cos, self.sin)                    # (T, heads, head_dim)
             k = ops.rotary(k, positions, self.cos, self.sin)                    # (T, kv_heads, head_dim)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            if layer_quant is None:
+            if layer_quant is None and layer_bounds is None:
                 ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
                 attn = ops.paged_attention(q, k_cache, v_cache, plan, self.scale)   # (T, heads, head_dim)
-            else:                              # int8 / fp8 blocks: quantized on write, widened on read
-                quant = layer_quant(i)
-                if quant.calibrate:            # fp8's calculate_kv_scales, on the first step
+            else:   # int8 / fp8 blocks (quantized on write, widened on read), block-sparse decode
+                quant = layer_quant(i) if layer_quant else None
+                bounds = layer_bounds(i) if layer_bounds else None
+                if quant is not None and quant.calibrate:   # fp8's calculate_kv_scales, first step
                     ops.calibrate_kv_scales(k, v, quant)
-                ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, quant)
-                attn = ops.paged_attention(q, k_cache, v_cache, plan, self.scale, quant)
+                ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, quant, bounds)
+                attn = ops.paged_attention(q, k_cache, v_cache, plan, self.scale, quant, bounds)
             hidden = hidden + ops.linear(attn.reshape(num_tokens, q_size), layer.o)
             x = ops.rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gated = ops.silu_and_mul(ops.linear(x, layer.gate_up))             # (T, ffn)

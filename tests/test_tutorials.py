@@ -208,3 +208,4 @@ def test_t15_compressed_kv_cache():
     assert "3.76x float32" in out and "4.00x float32" in out
     assert "bytes and scales identical" in out
     assert "perplexity" in out and "Done: one byte a value" in out
+    assert "budget 64 tokens = 4 blocks a head" in out and "'#': read" in out

@@ -1,4 +1,4 @@
-"""Tutorial 15: a compressed KV cache, or more blocks in the same memory.
+"""Tutorial 15: a compressed KV cache and block-sparse attention, or reading less memory.
 
 Goal: store every K and V value in one byte instead of four, and see what it buys and what
 it costs. ``kv_cache_dtype`` (vLLM's name) takes ``int8`` (an int8 code a value plus one
@@ -10,13 +10,19 @@ float32 scale per token and KV head, kept with the block), ``fp8`` = ``fp8_e4m3`
 3. watch a prefill land in the pool as bytes and scales, and a swap carry the scales;
 4. measure the quality paid: perplexity over real English text that ships with Python
    (its reference documentation, ``pydoc_data.topics``), and greedy agreement;
-5. time a decode step's attention over float32 and over int8 blocks.
+5. time a decode step's attention over float32 and over int8 blocks;
+6. read fewer blocks instead of smaller ones: block-sparse decode attention (Quest) keeps each
+   block's key min / max, and a decoding head attends only to the blocks whose keys could
+   score highest; we draw the blocks one query chose on its page table.
 
 The OS analogy: compressed memory (Linux's zswap, macOS's memory compressor). When RAM is
 short, an OS can compress pages in place rather than evict them: more of the working set
 stays resident, and every access pays a small decode. Here the "pages" are KV blocks, the
 compression is quantization, and the decode is the widening paged attention does as it
-reads each byte, in registers, never by copying the context out first.
+reads each byte, in registers, never by copying the context out first. Sparse attention is
+the OS's working set: of all the pages a process has mapped, only the few it touches now need
+to be resident, and the page table's accessed bits say which; here each block's key bounds
+say which blocks a query could care about.
 
 Run it:  python tutorials/15_compressed_kv_cache.py
 (MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
@@ -154,8 +160,47 @@ print(f"  {num_seqs} sequences x {context} tokens, one layer: float32 {timings['
       f"{keys.nbytes * 2 / 2**20:.0f} MiB against {(k8.nbytes + quant.k_scale.nbytes) * 2 / 2**20:.0f} MiB")
 print("  the kernel is bound by its arithmetic more than by its bytes here, so 4x fewer bytes give less than 4x")
 
+print("\n6. Block-sparse decode: the blocks one query chose")
+sparse = LLMEngine(MODEL, device="cpu", kv_cache_space=0.05, swap_space=0.01, sparse_attention_budget=64,
+                   log_stats_interval=0)
+story = sparse.tokenizer.encode(reference_text()[:4000])[:300]
+sparse.add_request("s", story, SamplingParams(max_tokens=2, temperature=0.0))
+sparse.step()                                        # the prompt, dense
+seq = sparse.groups["s"].seqs[0]
+table = sparse.block_manager.block_table(seq)
+layer, bounds = 10, sparse.cache.layer_bounds(10)
+print(f"  {len(story)} prompt tokens in {len(table)} blocks; budget 64 tokens = {bounds.keep} blocks a head")
+# The choice needs the decoding token's query at that layer: catch it on its way into the
+# kernel (the model calls ops.paged_attention, here the cpu module's function).
+captured = {}
+real_attention = cpu.paged_attention
+
+
+def spy(q, k_cache, v_cache, plan, scale, quant=None, bounds=None):
+    captured.setdefault("layers", []).append(q.copy())
+    return real_attention(q, k_cache, v_cache, plan, scale, quant, bounds)
+
+
+cpu.paged_attention = spy
+sparse.step()                                        # one decode: the spy sees each layer's q
+cpu.paged_attention = real_attention
+q_layer = captured["layers"][layer][0]               # (heads, head_dim) of the decoding token
+group = c.num_attention_heads // c.num_key_value_heads
+for head in range(0, c.num_attention_heads, max(1, group // 2)):   # heads of each KV head
+    kv = head // group
+    chosen = spec.select_blocks(q_layer[head], bounds.key_min[table, kv], bounds.key_max[table, kv],
+                                len(table), bounds.keep)
+    row = "".join("#" if j in chosen else "." for j in range(len(table)))
+    print(f"  layer {layer} head {head} (KV head {kv}): [{row}]  blocks {[table[j] for j in chosen]}")
+    assert chosen[0] == 0 and chosen[-1] == len(table) - 1 and len(chosen) == bounds.keep
+print("  '#': read, '.': skipped. The first and last blocks always stay; the middle ones are those")
+print("  whose keys' [min, max] box could give this head's query the highest score.")
+while sparse.has_unfinished_requests():
+    sparse.step()
+
 print("""
-Done: one byte a value, about 4x the blocks; int8 costs almost no perplexity, fp8 a little more.
+Done: one byte a value, about 4x the blocks; int8 costs almost no perplexity, fp8 a little more;
+and sparse attention reads a budget of blocks per head instead of all of them.
 Exercises:
   1. Give fp8 a layer scale of 1/32 (engine.cache.kv_scales[:] = 1/32 before any request) and
      measure the perplexity again. Which values now saturate, which stop being subnormal?

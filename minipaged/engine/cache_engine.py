@@ -16,7 +16,8 @@ import numpy as np
 
 from ..config import CacheConfig
 from ..kernels.kv_quant import KV_FLOAT, KV_INT8, STORAGE_DTYPE, kv_format, scale_bytes_per_token_head
-from ..kernels.layout import KVQuant, kv_bytes_per_block, kv_cache_shape, kv_scales_shape
+from ..kernels.layout import (BlockBounds, KVQuant, key_bounds_shape, kv_bytes_per_block, kv_cache_shape,
+                              kv_scales_shape)
 
 DEFAULT_CPU_KV_SPACE_GIB = 4.0  # as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE)
 GIB = 1 << 30
@@ -72,6 +73,15 @@ class CacheEngine:
                 self.cpu_scales = np.zeros(scales_shape(self.num_cpu_blocks), dtype=np.float32)
             elif self.kv_format != KV_FLOAT:
                 self.kv_scales = xp.ones(scales_shape(0), dtype=np.float32)
+            # block-sparse attention: each block's key [min | max] per layer, moved with the block
+            self.sparse_keep = (cache_config.sparse_attention_budget // self.block_size
+                                if cache_config.sparse_attention_budget else 0)
+            self.key_bounds = self.cpu_bounds = None
+            if self.sparse_keep:
+                self.key_bounds = xp.zeros(key_bounds_shape(c.num_hidden_layers, self.num_blocks,
+                                                            c.num_key_value_heads, c.head_dim), dtype=np.float32)
+                self.cpu_bounds = np.zeros(key_bounds_shape(c.num_hidden_layers, self.num_cpu_blocks,
+                                                            c.num_key_value_heads, c.head_dim), dtype=np.float32)
             # fp8 with calculate_kv_scales: the first step sets the layer scales (vLLM's rule)
             self.scales_pending = cache_config.calculate_kv_scales and self.kv_format not in (KV_FLOAT, KV_INT8)
         except MemoryError:
@@ -91,6 +101,21 @@ class CacheEngine:
         return KVQuant(self.kv_format, self.kv_scales[layer, 0], self.kv_scales[layer, 1],
                        calibrate=self.scales_pending)
 
+    def layer_bounds(self, layer: int) -> BlockBounds | None:
+        """Layer ``layer``'s page metadata for block-sparse decode attention, if it is on."""
+        if self.key_bounds is None:
+            return None
+        return BlockBounds(self.key_bounds[layer, 0], self.key_bounds[layer, 1], self.sparse_keep)
+
+    def set_sparse_budget(self, tokens: int) -> None:
+        """Change the decode budget (tokens; 0: dense) of a cache built with one, which keeps
+        the page metadata whatever the budget (``bench sparse`` compares budgets on one engine)."""
+        if self.key_bounds is None:
+            raise ValueError("this cache keeps no page metadata: build the engine with sparse_attention_budget")
+        if tokens and tokens < 2 * self.block_size:
+            raise ValueError(f"a sparse budget must be 0 (dense) or >= {2 * self.block_size} tokens, got {tokens}")
+        self.sparse_keep = tokens // self.block_size
+
     @property
     def per_block_scales(self) -> bool:
         return self.kv_format == KV_INT8
@@ -100,18 +125,24 @@ class CacheEngine:
         self.ops.swap_blocks(self.kv_cache, self.cpu_cache, mapping)
         if self.per_block_scales:
             self.ops.swap_blocks(self.kv_scales, self.cpu_scales, mapping)
+        if self.key_bounds is not None:
+            self.ops.swap_blocks(self.key_bounds, self.cpu_bounds, mapping)
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy (CPU block, device block) pairs back into the device pool."""
         self.ops.swap_blocks(self.cpu_cache, self.kv_cache, mapping)
         if self.per_block_scales:
             self.ops.swap_blocks(self.cpu_scales, self.kv_scales, mapping)
+        if self.key_bounds is not None:
+            self.ops.swap_blocks(self.cpu_bounds, self.key_bounds, mapping)
 
     def copy(self, mapping: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate (shared block, private block) pairs inside the device pool."""
         self.ops.copy_blocks(self.kv_cache, mapping)
         if self.per_block_scales:
             self.ops.copy_blocks(self.kv_scales, mapping)
+        if self.key_bounds is not None:
+            self.ops.copy_blocks(self.key_bounds, mapping)
 
 
 def _pinned(shape, dtype):

@@ -54,14 +54,15 @@ class LLMEngine:
                  enable_prefix_caching: bool = False, gpu_memory_utilization: float = 0.9,
                  kv_allocator: str = "paged", contiguous_reserve: str = "max_model_len",
                  track_fragmentation: bool = False, kv_cache_dtype: str = "auto",
-                 calculate_kv_scales: bool = False,
+                 calculate_kv_scales: bool = False, sparse_attention_budget: int | None = None,
                  seed: int = 0, log_stats_interval: float = 0.0, max_logprobs: int = 20) -> None:
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype, seed=seed,
                                    max_logprobs=max_logprobs)
         cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                    kv_cache_space=kv_cache_space, swap_space=swap_space,
                                    gpu_memory_utilization=gpu_memory_utilization,
-                                   kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales)
+                                   kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
+                                   sparse_attention_budget=sparse_attention_budget)
         # Settings that need no model are checked before the (slow) load.
         if kv_allocator not in ("paged", "contiguous"):
             raise ConfigError(f"kv_allocator must be 'paged' or 'contiguous', got {kv_allocator!r}")
@@ -96,6 +97,9 @@ class LLMEngine:
         self.max_model_len = self.scheduler_config.max_model_len
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.backend = select_backend(self.config.device, self.config.dtype)
+        if self.backend.device == "cuda" and sparse_attention_budget is not None:
+            raise ConfigError("sparse_attention_budget runs on the CPU only so far (the CUDA kernel is not "
+                              "written yet); use device='cpu' or leave it unset")
         if self.backend.device == "cuda" and kv_cache_dtype != "auto":
             raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} runs on the CPU only so far (the CUDA kernels "
                               "for int8 / fp8 blocks are not written yet); use device='cpu' or kv_cache_dtype='auto'")
@@ -238,7 +242,8 @@ class LLMEngine:
                 prompt_from[item.group.request_id] = start
         model_input = build_model_input(items, tables, self.block_manager.block_size, prompt_from)
         quant = self.cache.layer_quant if self.cache.kv_format else None
-        logits = self.runner.execute(model_input, self.cache.kv_cache, quant)   # (N + M, vocab)
+        bounds = self.cache.layer_bounds if self.cache.key_bounds is not None else None
+        logits = self.runner.execute(model_input, self.cache.kv_cache, quant, bounds)   # (N + M, vocab)
         self.cache.scales_pending = False           # calculate_kv_scales: set once, by the first step
         rows = list(range(len(model_input.sampled)))
         beam_rows = [r for r in rows if model_input.sampled[r][0].group.beam is not None]

@@ -104,10 +104,10 @@ class ModelRunner:
         self.model = model
         self.xp = model.ops.xp
 
-    def execute(self, model_input: ModelInput, kv_cache, layer_quant=None):
+    def execute(self, model_input: ModelInput, kv_cache, layer_quant=None, layer_bounds=None):
         """Run one step; returns the logits of ``logits_indices``, (N + M, vocab), on the device:
         the sampled rows, then the prompt rows. ``layer_quant``: CacheEngine.layer_quant for
-        a compressed cache."""
+        a compressed cache; ``layer_bounds``: CacheEngine.layer_bounds for block-sparse decode."""
         xp = self.xp
         m = model_input.meta
         meta = AttentionMetadata(
@@ -115,5 +115,6 @@ class ModelRunner:
             seq_lens=xp.asarray(m.seq_lens), block_tables=xp.asarray(m.block_tables),
             max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
         logits = self.model.forward(xp.asarray(model_input.input_ids), xp.asarray(model_input.positions),
-                                    kv_cache, meta, xp.asarray(model_input.logits_indices), layer_quant)
+                                    kv_cache, meta, xp.asarray(model_input.logits_indices), layer_quant,
+                                    layer_bounds)
         return logits

@@ -68,6 +68,10 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
     g.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=False,
                    help="fp8 KV cache: per-layer K and V scales from the first step's values "
                         "(max / 200 and max / 100, as vLLM) instead of 1.0")
+    g.add_argument("--sparse-attention-budget", type=int, default=None, metavar="TOKENS",
+                   help="block-sparse decode attention (Quest): each head attends to the blocks, within "
+                        "this many tokens, whose keys could score highest (the first and last always); "
+                        "prefill stays dense. Default: dense (CPU only so far)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="GPU: share of the device's memory for weights, activations and the KV cache")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
@@ -89,7 +93,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_allocator=args.kv_allocator, contiguous_reserve=args.contiguous_reserve,
                 max_logprobs=args.max_logprobs, kv_cache_dtype=args.kv_cache_dtype,
-                calculate_kv_scales=args.calculate_kv_scales)
+                calculate_kv_scales=args.calculate_kv_scales,
+                sparse_attention_budget=args.sparse_attention_budget)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float,

@@ -9,6 +9,8 @@
     roofline.py     ``bench roofline``: the machine's matmul peak and read bandwidth, and each decode
                     and prefill step against its bound, with where the time goes
     quality.py      ``bench quality``: perplexity and golden agreement for each kv_cache_dtype
+    sparse_quality.py  ``bench sparse``: passkey retrieval, greedy agreement and teacher-forced
+                    log-likelihood under block-sparse decode budgets, against dense
     gpu_check.py    ``python -m minipaged.gpu_check``: every CUDA kernel checked and timed on a GPU,
                     then the engine end to end (``--smoke``: the same on the CPU harness)
     viz.py          pictures of the KV pool and the page tables from real engine state (text, SVG)

@@ -7,7 +7,8 @@ against contiguous), each warmed up and then measured on the same trace. The
 traces are in workloads.py, the timing in measure.py, the tables and the plot in
 report.py, the Hugging Face peer in bench_peers.py, the HTTP clients of ``bench serve`` in
 bench_serve.py, the machine's limits and the steps against them (``bench roofline``) in
-roofline.py, the compressed KV cache's quality (``bench quality``) in quality.py.
+roofline.py, the compressed KV cache's quality (``bench quality``) in quality.py, block-sparse
+attention's (``bench sparse``) in sparse_quality.py.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .measure import run_workload
 from .report import memory_figures, plot_memory, print_result, print_roofline, print_table
 from .quality import check_quality_args, print_quality, run_quality
 from .roofline import check_roofline_args, run_roofline
+from .sparse_quality import check_sparse_args, print_sparse, run_sparse
 from .workloads import PEER_WORKLOADS, WORKLOAD_ENGINE, WORKLOADS, BenchRequest, make_prompts, make_requests
 
 
@@ -67,6 +69,9 @@ def add_bench_parser(sub, add_engine_flags) -> None:
                    help="quality: the kv_cache_dtype of each engine compared (default auto,int8,fp8,fp8_e5m2)")
     p.add_argument("--num-tokens", type=int, default=None, help="quality: tokens of text scored")
     p.add_argument("--window", type=int, default=None, help="quality: tokens per perplexity window")
+    p.add_argument("--context-lens", default=None, metavar="N,N,...", help="sparse: context lengths")
+    p.add_argument("--budgets", default=None, metavar="N,N,...", help="sparse: token budgets against dense")
+    p.add_argument("--trials", type=int, default=None, help="sparse: passkey prompts per context length")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the prompt lengths and ids")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--peer", choices=["hf"], default=None,
@@ -96,6 +101,9 @@ def check_bench_args(args: argparse.Namespace, defaults: dict) -> None:
     if args.workload == "quality":
         check_quality_args({k: getattr(args, k) if getattr(args, k) is not None else v
                             for k, v in defaults.items()})
+    if args.workload == "sparse":
+        check_sparse_args({k: getattr(args, k) if getattr(args, k) is not None else v
+                           for k, v in defaults.items()})
     if args.workload == "memory" and args.enable_prefix_caching:
         raise ValueError("the memory workload compares paging with the contiguous baseline, which "
                          "has no prefix caching; run it without --enable-prefix-caching")
@@ -148,7 +156,8 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
     check_bench_args(args, defaults)
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
     # the workloads that run their own engines and print their own table
-    own = {"roofline": (run_roofline, print_roofline), "quality": (run_quality, print_quality)}
+    own = {"roofline": (run_roofline, print_roofline), "quality": (run_quality, print_quality),
+           "sparse": (run_sparse, print_sparse)}
     if args.workload in own:
         run, show = own[args.workload]
         report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs,

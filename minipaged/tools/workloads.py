@@ -55,6 +55,10 @@ WORKLOADS = {
                 "documentation (pydoc_data.topics) in windows of WINDOW, and greedy agreement with the "
                 "golden outputs",
                 dict(kv_cache_dtypes="auto,int8,fp8,fp8_e5m2", num_tokens=8192, window=1024)),
+    "sparse": ("what block-sparse decode attention costs at each of BUDGETS tokens against dense, at "
+               "each of CONTEXT_LENS: passkey retrieval (TRIALS a length), greedy agreement and "
+               "teacher-forced log-likelihood of real text through decode steps",
+               dict(context_lens="2048,4096,8000", budgets="256,512,1024", trials=5)),
 }
 
 # Engine settings a workload fixes unless the command line sets them.
