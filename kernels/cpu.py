@@ -19,7 +19,7 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from .kv_quant import (K_SCALE_CONSTANT, KV_FLOAT, KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8, V_SCALE_CONSTANT,
-                       _float_from_bits, dequantize, float_to_fp8, widen)
+                       _float_from_bits, dequantize, float_to_fp8, fp8_widen_scale, widen)
 from .layout import AttentionMetadata, BlockBounds, KVQuant
 
 xp = np  # the array module this backend computes with
@@ -246,8 +246,9 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
     # its own scale, fp8's layer scales fold into the queries and the output. KV_FORMAT is
     # a constant of each compiled copy (``_per_format``), so every branch on it folds away.
     per_token = KV_FORMAT == KV_INT8
-    layer_k = k_scale[0, 0, 0] if KV_FORMAT != KV_FLOAT and not per_token else np.float32(1.0)
-    layer_v = v_scale[0, 0, 0] if KV_FORMAT != KV_FLOAT and not per_token else np.float32(1.0)
+    fp8 = KV_FORMAT != KV_FLOAT and not per_token
+    layer_k = k_scale[0, 0, 0] * fp8_widen_scale(KV_FORMAT) if fp8 else np.float32(1.0)
+    layer_v = v_scale[0, 0, 0] * fp8_widen_scale(KV_FORMAT) if fp8 else np.float32(1.0)
     # Thread `tid` takes work items tid, tid + n, tid + 2n, ...: late tiles of a
     # prompt cost more than early ones, and striding spreads them evenly.
     for tid in prange(num_threads):
