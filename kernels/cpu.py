@@ -237,7 +237,8 @@ def _choose_blocks(qs, key_min, key_max, table, num_blocks, keep, num_heads, gro
 
 
 def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           scale, work, num_threads, k_scale, v_scale, key_min, key_max, keep, out):
+                           scale, work, num_threads, k_scale, v_scale, key_min, key_max, keep,
+                           part_acc, part_max, part_sum, out):
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -251,9 +252,14 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
     layer_v = v_scale[0, 0, 0] * fp8_widen_scale(KV_FORMAT) if fp8 else np.float32(1.0)
     # Thread `tid` takes work items tid, tid + n, tid + 2n, ...: late tiles of a
     # prompt cost more than early ones, and striding spreads them evenly.
+    # An item is (sequence, first query row, first token, end token, partial slot): a whole
+    # tile writes its output; a slice of a long context (split-K, partial slot >= 0) reads the
+    # blocks from first // block_size to end // block_size (consecutive slices share none)
+    # and writes its unnormalised sum, max and total for _merge_partials.
     for tid in prange(num_threads):
         for w in range(tid, work.shape[0], num_threads):
             s, t0 = work[w, 0], work[w, 1]
+            first_block, end_block, slot = work[w, 2] // block_size, work[w, 3] // block_size, work[w, 4]
             seq_start, seq_end = query_start_loc[s], query_start_loc[s + 1]
             t1 = min(t0 + QUERY_TILE, seq_end)
             first_pos = seq_lens[s] - (seq_end - seq_start) + (t0 - seq_start)
@@ -275,7 +281,7 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
             sparse = keep > 0 and seq_end - seq_start == 1 and num_ctx_blocks > keep
             chosen = _choose_blocks(qs, key_min, key_max, block_tables[s], num_ctx_blocks, keep,
                                     num_heads, group) if sparse else _ALL_BLOCKS
-            for j in range(num_ctx_blocks):
+            for j in range(first_block, min(end_block, num_ctx_blocks)):
                 block = block_tables[s, j]
                 for r in range(rows):
                     if sparse and not chosen[r, j]:
@@ -309,6 +315,13 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
                             acc[r, d] += p * widen(v_cache[block, kv_head, o, d], KV_FORMAT)
                     row_sum[r] = total
                     row_max[r] = new_max
+            if slot >= 0:                               # a slice: merged afterwards
+                for r in range(rows):
+                    part_max[slot, r] = row_max[r]
+                    part_sum[slot, r] = row_sum[r]
+                    for d in range(head_dim):
+                        part_acc[slot, r, d] = acc[r, d] * layer_v
+                continue
             for r in range(rows):
                 inv = layer_v / row_sum[r]
                 for d in range(head_dim):
@@ -431,6 +444,55 @@ def _gathered_scales(scales: np.ndarray, blocks: np.ndarray, seq_len: int) -> np
     return scales[blocks].transpose(1, 0, 2).reshape(heads, -1)[:, :seq_len, None]
 
 
+# Split-K: when the Numba kernel has fewer tiles than threads (a few long decodes), a tile
+# whose context has at least this many tokens per thread is cut into one slice per thread,
+# the way the GPU kernel splits long contexts into partitions, and the slices are merged.
+SPLIT_MIN_TOKENS = 256
+
+
+@njit(cache=True)
+def _merge_partials(part_acc, part_max, part_sum, merges, query_start_loc, num_heads, out):
+    """Combine the slices of each split tile: sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M)."""
+    for i in range(merges.shape[0]):
+        s, t0, first, count = merges[i, 0], merges[i, 1], merges[i, 2], merges[i, 3]
+        t1 = min(t0 + QUERY_TILE, query_start_loc[s + 1])
+        for r in range((t1 - t0) * num_heads):
+            top = -np.inf
+            for p in range(first, first + count):
+                top = max(top, part_max[p, r])
+            total = np.float32(0.0)
+            for p in range(first, first + count):
+                if part_sum[p, r] > 0:
+                    total += part_sum[p, r] * fast_exp(part_max[p, r] - top)
+            for d in range(part_acc.shape[2]):
+                value = np.float32(0.0)
+                for p in range(first, first + count):
+                    if part_sum[p, r] > 0:
+                        value += part_acc[p, r, d] * fast_exp(part_max[p, r] - top)
+                out[t0 + r // num_heads, r % num_heads, d] = value / total
+
+
+def split_work(tiles: np.ndarray, meta: AttentionMetadata, num_threads: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's items (W, 5) [sequence, first query row, first token, end token, partial slot]
+    and the split tiles to merge (M, 4) [sequence, first query row, first slot, slices]."""
+    items, merges, slot = [], [], 0
+    whole = np.iinfo(np.int64).max // 2
+    split = 0 < len(tiles) < num_threads
+    for s, t0 in tiles.tolist():
+        seq_len = int(meta.seq_lens[s])
+        if split and seq_len >= SPLIT_MIN_TOKENS * num_threads:
+            # token edges; the last is past every block, so the slices cover the whole context
+            edges = np.linspace(0, seq_len, num_threads + 1).astype(np.int64)
+            edges[-1] = whole
+            merges.append((s, t0, slot, num_threads))
+            for p in range(num_threads):
+                items.append((s, t0, int(edges[p]), int(edges[p + 1]), slot))
+                slot += 1
+        else:
+            items.append((s, t0, 0, whole, -1))
+    return (np.array(items, np.int64).reshape(-1, 5), np.array(merges, np.int64).reshape(-1, 4))
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
     """How one batch's attention is split, decided once per step and reused by every layer."""
@@ -440,6 +502,8 @@ class AttentionPlan:
     work: np.ndarray        # (W, 2) (sequence, first query row) tiles for the Numba kernel
     work_estimate: int      # picks the serial or the threaded compilation
     num_threads: int
+    items: np.ndarray       # (W', 5) the kernel's items: tiles, or slices of long ones (split-K)
+    merges: np.ndarray      # (M, 4) split tiles: sequence, first query row, first slot, slices
 
 
 def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
@@ -451,7 +515,9 @@ def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
     work = attention_work_items(qsl, small)
     # work estimate for the Numba part: query tokens x longest context x 8 heads-ish
     estimate = int(q_lens[small].sum()) * int(meta.seq_lens[small].max()) * 8 if len(small) else 0
-    return AttentionPlan(meta, blas_seqs, work, estimate, get_num_threads())
+    threads = get_num_threads()
+    items, merges = split_work(work, meta, threads)
+    return AttentionPlan(meta, blas_seqs, work, estimate, threads, items, merges)
 
 
 _NO_SCALES = np.ones((1, 1, 1), np.float32)    # a float cache: no scales
@@ -484,8 +550,16 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         kernel = _paged_attention[fmt](plan.work_estimate)
         key_min, key_max, keep = ((_NO_BOUNDS, _NO_BOUNDS, 0) if bounds is None
                                   else (bounds.key_min, bounds.key_max, bounds.keep))
+        slots = int(plan.merges[:, 3].sum()) if len(plan.merges) else 0
+        rows = QUERY_TILE * q.shape[1]
+        part_acc = np.empty((slots, rows, q.shape[2]), np.float32)          # (slots, rows, head_dim)
+        part_max = np.empty((slots, rows), np.float32)
+        part_sum = np.empty((slots, rows), np.float32)
         kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, qsl,
-               np.float32(scale), plan.work, plan.num_threads, k_scale, v_scale, key_min, key_max, keep, out)
+               np.float32(scale), plan.items, plan.num_threads, k_scale, v_scale, key_min, key_max, keep,
+               part_acc, part_max, part_sum, out)
+        if slots:
+            _merge_partials(part_acc, part_max, part_sum, plan.merges, qsl, q.shape[1], out)
     return out
 
 

@@ -181,3 +181,32 @@ def test_copy_blocks_matches_spec():
     spec.swap_blocks(expected, expected, mapping)
     cpu.copy_blocks(cache, mapping)
     np.testing.assert_array_equal(cache, expected)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_split_k_slices_of_long_decodes_merge_to_the_spec(monkeypatch, block_size, sparse):
+    """Fewer tiles than threads: each long decode's context is cut into one slice per thread
+    (split-K), the slices merged; the same result as the spec, sparse too."""
+    from numba import get_num_threads  # noqa: PLC0415
+
+    if get_num_threads() < 2:
+        pytest.skip("split-K needs at least two threads")
+    monkeypatch.setattr(cpu, "SPLIT_MIN_TOKENS", 8)
+    rng = np.random.default_rng(block_size)
+    q, k_cache, v_cache, meta = random_batch(rng, block_size=block_size, num_heads=6, num_kv_heads=2,
+                                             head_dim=32, seqs=[(1, 37)])
+    plan = cpu.plan_attention(meta)
+    assert len(plan.merges) == 1 and len(plan.items) == get_num_threads()
+    if sparse:
+        from minipaged.kernels.layout import BlockBounds  # noqa: PLC0415
+
+        key_min, key_max = spec.key_bounds(k_cache)
+        got = cpu.paged_attention(q, k_cache, v_cache, plan, 0.2, None, BlockBounds(key_min, key_max, 3))
+        want = spec.sparse_decode_attention(q, k_cache, v_cache, key_min, key_max, meta.block_tables,
+                                            meta.seq_lens, 0.2, 3 * block_size)
+    else:
+        got = cpu.paged_attention(q, k_cache, v_cache, plan, 0.2)
+        want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, 0.2)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
