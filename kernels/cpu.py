@@ -121,8 +121,8 @@ def _quantize_vector(x, out, fmt, scales, block, head, offset):
             top = max(top, abs(x[d]))
         scale = top / np.float32(127.0)
         scales[block, head, offset] = scale
-        for d in range(x.shape[0]):
-            out[d] = np.int8(np.rint(x[d] / scale)) if scale > 0 else np.int8(0)
+        for d in range(x.shape[0]):   # clamped: a scale that underflows could round past 127
+            out[d] = np.int8(min(max(np.rint(x[d] / scale), -127.0), 127.0)) if scale > 0 else np.int8(0)
     else:
         layer_scale = scales[0, 0, 0]
         for d in range(x.shape[0]):
@@ -333,7 +333,9 @@ _ALL_BLOCKS = np.ones((1, 1), np.bool_)   # dense attention: no selection
 
 
 def _per_format(fn, fmt: int):
-    """A copy of ``fn`` that sees KV_FORMAT = fmt, under its own name (Numba caches by name)."""
+    """A copy of ``fn`` that sees KV_FORMAT = fmt, under its own name (Numba caches by name).
+    The copy reads a snapshot of this module's globals taken here: monkeypatching a constant
+    the kernel body reads (QUERY_TILE, say) later does not reach it."""
     copy = types.FunctionType(fn.__code__, {**fn.__globals__, "KV_FORMAT": fmt}, f"{fn.__name__}_{fmt}",
                               fn.__defaults__, fn.__closure__)
     copy.__qualname__ = f"{fn.__qualname__}_{fmt}"
@@ -418,8 +420,8 @@ def _blas_attention(q, k_cache, v_cache, block_table, seq_len, scale, out, quant
     keys = k_cache[blocks].transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
     values = v_cache[blocks].transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
     if quant is not None:   # widened as they are gathered: this copy is made for floats too
-        keys = dequantize(keys, quant.fmt, _gathered_scales(quant.k_scale, blocks, seq_len))
-        values = dequantize(values, quant.fmt, _gathered_scales(quant.v_scale, blocks, seq_len))
+        keys = dequantize(keys, quant.fmt, _gathered_scales(quant.k_scale, quant.fmt, blocks, seq_len))
+        values = dequantize(values, quant.fmt, _gathered_scales(quant.v_scale, quant.fmt, blocks, seq_len))
     for start in range(0, n, BLAS_QUERY_TILE):
         stop = min(start + BLAS_QUERY_TILE, n)
         first_pos = seq_len - n + start
@@ -436,9 +438,9 @@ def _blas_attention(q, k_cache, v_cache, block_table, seq_len, scale, out, quant
                 (scores @ values[h, : last_pos + 1]) / total[:, None]).reshape(stop - start, group, head_dim)
 
 
-def _gathered_scales(scales: np.ndarray, blocks: np.ndarray, seq_len: int) -> np.ndarray:
+def _gathered_scales(scales: np.ndarray, fmt: int, blocks: np.ndarray, seq_len: int) -> np.ndarray:
     """int8: the (kv_heads, seq_len, 1) scales of a gathered context; fp8: the layer's (1, 1, 1)."""
-    if scales.shape[0] == 1 and scales.size == 1:
+    if fmt != KV_INT8:
         return scales.reshape(1, 1, 1)
     heads = scales.shape[1]
     return scales[blocks].transpose(1, 0, 2).reshape(heads, -1)[:, :seq_len, None]

@@ -45,10 +45,12 @@ def kv_cache_shape(num_layers: int, num_blocks: int, num_kv_heads: int,
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int,
-                       head_dim: int, itemsize: int, scale_bytes: int = 0) -> int:
+                       head_dim: int, itemsize: int, scale_bytes: int = 0, key_bounds: bool = False) -> int:
     """Bytes one physical block occupies across all layers, keys and values, with
-    ``scale_bytes`` of scale per (token, KV head) for each of K and V (int8: 4)."""
-    return 2 * num_layers * num_kv_heads * block_size * (head_dim * itemsize + scale_bytes)
+    ``scale_bytes`` of scale per (token, KV head) for each of K and V (int8: 4), and with
+    ``key_bounds`` block-sparse attention's float32 [min | max] of its keys per KV head."""
+    bounds = 2 * num_layers * num_kv_heads * head_dim * 4 if key_bounds else 0
+    return 2 * num_layers * num_kv_heads * block_size * (head_dim * itemsize + scale_bytes) + bounds
 
 
 def kv_scales_shape(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,

@@ -56,7 +56,7 @@ def quantize_kv(x: np.ndarray, fmt: int, layer_scale: np.ndarray):
     if fmt == KV_INT8:
         scales = (np.abs(x).max(axis=-1) / np.float32(127.0)).astype(np.float32)     # (heads,)
         safe = np.where(scales > 0, scales, np.float32(1.0))
-        codes = np.where(scales[:, None] > 0, np.rint(x / safe[:, None]), 0).astype(np.int8)
+        codes = np.where(scales[:, None] > 0, np.clip(np.rint(x / safe[:, None]), -127, 127), 0).astype(np.int8)
         return codes, scales
     dtype = _fp8_dtype(fmt)
     largest = float(np.finfo(dtype).max)

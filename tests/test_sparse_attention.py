@@ -168,3 +168,48 @@ def test_bad_budgets_are_named(tiny_model_dir):
         LLMEngine(str(tiny_model_dir), device="cpu", sparse_attention_budget=16)
     with pytest.raises(ConfigError, match="sparse_attention_budget must be"):
         LLMEngine(str(tiny_model_dir), device="cpu", sparse_attention_budget="1024")
+
+
+def test_the_pool_counts_the_key_bounds(tiny_model_dir):
+    plain = LLMEngine(str(tiny_model_dir), device="cpu", kv_cache_space=0.01, swap_space=SWAP_GIB)
+    sparse = LLMEngine(str(tiny_model_dir), device="cpu", kv_cache_space=0.01, swap_space=SWAP_GIB,
+                       sparse_attention_budget=64)
+    c = plain.model_config
+    bounds = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    assert sparse.cache.bytes_per_block == plain.cache.bytes_per_block + bounds
+    held = sparse.cache.kv_cache.nbytes + sparse.cache.key_bounds.nbytes
+    assert held == sparse.cache.num_blocks * sparse.cache.bytes_per_block <= 0.01 * 2**30
+
+
+def test_bench_sparse_refuses_a_budget_under_two_blocks_before_loading():
+    from minipaged.tools.sparse_quality import check_sparse_args  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="--budgets: 16 tokens is under two blocks of 16"):
+        check_sparse_args({"context_lens": "512", "budgets": "16,1024", "trials": 1}, 16)
+    with pytest.raises(ValueError, match="--context-lens must be comma-separated integers"):
+        check_sparse_args({"context_lens": "4k", "budgets": "1024", "trials": 1}, 16)
+    assert check_sparse_args({"context_lens": "512,2048", "budgets": "32", "trials": 2}, 16) == ([512, 2048], [32])
+
+
+@pytest.mark.parametrize("fmt", [kv_quant.KV_INT8, kv_quant.KV_FP8_E4M3])
+def test_split_k_over_compressed_blocks_and_short_chunks(monkeypatch, fmt):
+    """Split-K slices of a compressed cache (fp8's layer scales in the partial sums) and of a
+    5-query chunk merge to the spec."""
+    from numba import get_num_threads  # noqa: PLC0415
+
+    if get_num_threads() < 2:
+        pytest.skip("split-K needs at least two threads")
+    monkeypatch.setattr(cpu, "SPLIT_MIN_TOKENS", 8)
+    rng = np.random.default_rng(fmt)
+    q, k_float, v_float, meta = random_batch(rng, block_size=4, num_heads=6, num_kv_heads=2, head_dim=16,
+                                             seqs=[(5, 41)])
+    kc, vc, quant, _, _ = written_pool(rng, k_float, v_float, fmt)
+    if fmt != kv_quant.KV_INT8:
+        quant.k_scale[...] = 0.5
+        quant.v_scale[...] = 2.0
+    plan = cpu.plan_attention(meta)
+    assert len(plan.merges) == 1
+    got = cpu.paged_attention(q, kc, vc, plan, 0.25, quant)
+    want = spec.paged_attention(q, spec.dequantize_kv(kc, fmt, quant.k_scale), spec.dequantize_kv(vc, fmt, quant.v_scale),
+                                meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.25)
+    np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-4)

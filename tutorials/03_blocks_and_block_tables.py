@@ -140,7 +140,7 @@ table_d = bm.block_table(later.seqs[0])
 # D gets the frames at the front of the list: A's, freed a moment ago (still hot).
 assert table_d == after[:len(table_d)] and set(table_d) & set(table_a)
 reused = sorted(set(table_d) & set(table_a))
-print(f"  D reuses A's old frame(s) {reused}; its blocks {table_d} are scattered")
+print(f"  D reuses A's old frame(s) {reused}, in A's order: {table_d}, still not one contiguous run")
 bm.check_invariants([req_b.seqs[0], later.seqs[0]])
 
 print("\n9. check_invariants() is the safety net: break the books on purpose")

@@ -36,7 +36,8 @@ class CacheEngine:
         self.bytes_per_block = kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads,
                                                   cache_config.block_size, c.head_dim,
                                                   self.storage_dtype.itemsize,
-                                                  scale_bytes_per_token_head(self.kv_format))
+                                                  scale_bytes_per_token_head(self.kv_format),
+                                                  key_bounds=cache_config.sparse_attention_budget is not None)
         if cache_config.num_blocks is not None:
             self.num_blocks = cache_config.num_blocks
         elif gpu_num_blocks is not None:      # measured by profile_gpu_num_blocks

@@ -21,7 +21,7 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    """Free queue + ref counts over the block ids ``0 .. num_blocks-1``."""
+    """A hot-first free list + ref counts over the block ids ``0 .. num_blocks-1``."""
 
     def __init__(self, num_blocks: int, name: str = "device", cache: PrefixCache | None = None) -> None:
         if num_blocks < 0:

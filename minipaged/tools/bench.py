@@ -103,7 +103,7 @@ def check_bench_args(args: argparse.Namespace, defaults: dict) -> None:
                             for k, v in defaults.items()})
     if args.workload == "sparse":
         check_sparse_args({k: getattr(args, k) if getattr(args, k) is not None else v
-                           for k, v in defaults.items()})
+                           for k, v in defaults.items()}, args.block_size or 16)
     if args.workload == "memory" and args.enable_prefix_caching:
         raise ValueError("the memory workload compares paging with the contiguous baseline, which "
                          "has no prefix caching; run it without --enable-prefix-caching")

@@ -32,7 +32,7 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 QUESTION = "What is the pass key? The pass key is"
 
 
-def check_sparse_args(cfg: dict) -> tuple[list[int], list[int]]:
+def check_sparse_args(cfg: dict, block_size: int = 16) -> tuple[list[int], list[int]]:
     """(context lengths, budgets), after checking every setting (before any model loads)."""
     def ints(name):
         try:
@@ -43,6 +43,9 @@ def check_sparse_args(cfg: dict) -> tuple[list[int], list[int]]:
             raise ValueError(f"--{name.replace('_', '-')} must list positive integers, got {cfg[name]!r}")
         return values
     contexts, budgets = ints("context_lens"), ints("budgets")
+    if min(budgets) < 2 * block_size:
+        raise ValueError(f"--budgets: {min(budgets)} tokens is under two blocks of {block_size} (the first and "
+                         f"the last block are always kept); give budgets >= {2 * block_size}")
     if not (isinstance(cfg["trials"], int) and cfg["trials"] >= 1):
         raise ValueError(f"--trials must be an integer >= 1, got {cfg['trials']!r}")
     if max(contexts) > 8192 - 96:
@@ -94,8 +97,8 @@ def teacher_forced_nll(engine: LLMEngine, context: list[int], continuation: list
 
 
 def run_sparse(engine_kwargs: dict, cfg: dict) -> dict:
-    contexts, budgets = check_sparse_args(cfg)
     block = engine_kwargs.get("block_size") or 16
+    contexts, budgets = check_sparse_args(cfg, block)
     engine = LLMEngine(**{**engine_kwargs, "sparse_attention_budget": max(2 * block, min(budgets)),
                           "enable_prefix_caching": True, "max_logprobs": -1, "log_stats_interval": 0})
     text = engine.tokenizer.encode(reference_text())
