@@ -667,6 +667,30 @@ def stream_sum(data: np.ndarray) -> float:
     return float(partial.astype(np.float64).sum())
 
 
+# --------------------------------------------------------------------------- sampling
+
+@two_ways
+def _logsumexp_rows(x, out):
+    for r in prange(x.shape[0]):
+        row = x[r]
+        top = _row_max(row, row.shape[0])
+        total = np.float32(0.0)
+        for j in range(row.shape[0]):
+            total += fast_exp(row[j] - top)
+        out[r] = top + np.log(total)
+
+
+def logsumexp(x: np.ndarray) -> np.ndarray:
+    """log(sum(exp(x))) of each row of x (N, V) float32 -> (N,): the log-softmax's normaliser,
+    so a sampled token's log-probability is x[row, token] - logsumexp(x)[row] without the
+    (N, V) log-softmax (a max and one vectorised exp pass a row, threads over rows)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(x.shape[0], np.float32)
+    if x.shape[0] and x.shape[1]:
+        _logsumexp_rows(x.size)(x, out)
+    return out
+
+
 # --------------------------------------------------------------------------- fused elementwise
 
 @two_ways

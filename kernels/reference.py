@@ -152,6 +152,13 @@ def stream_sum(data: np.ndarray) -> float:
     return float(np.sum(data, dtype=np.float64))
 
 
+def logsumexp(x: np.ndarray) -> np.ndarray:
+    """log(sum(exp(x))) of each row of x (N, V), in float64 -> (N,)."""
+    x64 = x.astype(np.float64)
+    top = x64.max(axis=-1, keepdims=True)
+    return (top + np.log(np.exp(x64 - top).sum(axis=-1, keepdims=True)))[:, 0]
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x: (T, hidden), weight: (hidden,) -> (T, hidden): x / rms(x) * weight."""
     x32 = x.astype(np.float32)

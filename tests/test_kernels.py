@@ -210,3 +210,15 @@ def test_split_k_slices_of_long_decodes_merge_to_the_spec(monkeypatch, block_siz
         want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, 0.2)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 5), (3, 17), (64, 49152), (0, 8)])
+def test_logsumexp_matches_spec(rows, width):
+    rng = np.random.default_rng(width)
+    x = (rng.standard_normal((rows, width)) * 8).astype(np.float32)
+    if rows:
+        x[0, 0] = 60.0                                   # one dominant logit
+    got = cpu.logsumexp(x)
+    assert got.shape == (rows,) and got.dtype == np.float32
+    if rows:
+        np.testing.assert_allclose(got, spec.logsumexp(x), rtol=1e-6, atol=1e-5)

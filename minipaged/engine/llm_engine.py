@@ -124,7 +124,8 @@ class LLMEngine:
         self.kv_history: list[KVBreakdown] = []   # one per step, if track_fragmentation
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.runner = ModelRunner(self.model)
-        self.sampler = Sampler(self.backend.xp)
+        # the CPU kernels have a fused row normaliser; on a GPU the sampler uses CuPy's reductions
+        self.sampler = Sampler(self.backend.xp, getattr(self.backend.ops, "logsumexp", None))
         eos = set(self.tokenizer.stop_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,

@@ -46,6 +46,13 @@ def log_softmax(logits, xp=np):
     return shifted - xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
 
 
+def _logsumexp(x, xp=np):
+    """(N, V) -> (N,) float32 log(sum(exp(row))), with the array module's reductions."""
+    x = x.astype(xp.float32)
+    top = x.max(axis=-1, keepdims=True)
+    return (top + xp.log(xp.exp(x - top).sum(axis=-1, keepdims=True)))[:, 0]
+
+
 def shaped_probs(logits, params: SamplingParams, xp=np):
     """One row (V,) of logits -> (V,) float64 probabilities after temperature, top-k, top-p, min-p."""
     x = logits.astype(xp.float64) / params.temperature
@@ -147,14 +154,19 @@ class Sampler:
     """Samples where the logits are (numpy on the CPU, cupy on a GPU); only token ids and
     their log-probabilities (a few numbers a row) come back to the host."""
 
-    def __init__(self, xp=np) -> None:
+    def __init__(self, xp=np, logsumexp=None) -> None:
         self.xp = xp
+        # the backend's row normaliser (ops.logsumexp); without one, numpy / cupy reductions
+        self.logsumexp = logsumexp or (lambda x: _logsumexp(x, xp))
 
     def __call__(self, logits, requests: list[SampleRequest]) -> list[SampleResult]:
         """logits: (N, V), row i belongs to requests[i]."""
         xp = self.xp
+        raw = logits
+        # The model's own log-probabilities, before any ban: log p = logit - logsumexp(row).
+        # Only the rows that ask for top logprobs get the whole (V,) row of them.
+        norm = self.logsumexp(raw)                     # (N,)
         logits = logits.astype(xp.float32)             # (N, V) own copy: bans write into it
-        logprobs = log_softmax(logits, xp)             # (N, V) the model's own, before any ban
         for i, req in enumerate(requests):
             if req.banned_token_ids:
                 logits[i, req.banned_token_ids] = -xp.inf
@@ -176,12 +188,13 @@ class Sampler:
                 token -= 1
             tokens.append(token)
         rows = xp.arange(len(requests))
-        token_logprobs = to_host(logprobs[rows, xp.asarray(tokens, dtype=xp.int64)])  # (N,)
+        token_logprobs = to_host(raw[rows, xp.asarray(tokens, dtype=xp.int64)].astype(xp.float32) - norm)  # (N,)
         results = []
         for i, req in enumerate(requests):
             top = None
             if req.params.logprobs is not None:
-                top = top_logprobs(logprobs[i:i + 1], req.params.logprobs, tokens[i:i + 1], xp)[0]
+                row_logprobs = raw[i:i + 1].astype(xp.float32) - norm[i]          # (1, V)
+                top = top_logprobs(row_logprobs, req.params.logprobs, tokens[i:i + 1], xp)[0]
             results.append(SampleResult(tokens[i], float(token_logprobs[i]), top))
         return results
 
