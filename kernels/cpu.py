@@ -98,18 +98,7 @@ def exp(x: np.ndarray) -> np.ndarray:
 
 # --------------------------------------------------------------------------- KV writes
 
-@njit(cache=True)
-def _write_kv(k_cache, v_cache, k, v, slot_mapping):
-    block_size = k_cache.shape[2]
-    for t in range(slot_mapping.shape[0]):
-        slot = slot_mapping[t]
-        if slot < 0:
-            continue
-        block = slot // block_size
-        offset = slot % block_size
-        k_cache[block, :, offset, :] = k[t]
-        v_cache[block, :, offset, :] = v[t]
-
+_NO_SCALES = np.ones((1, 1, 1), np.float32)    # a float cache: no scales
 
 @njit(cache=True)
 def _quantize_vector(x, out, fmt, scales, block, head, offset):
@@ -130,7 +119,7 @@ def _quantize_vector(x, out, fmt, scales, block, head, offset):
 
 
 @njit(cache=True)
-def _write_kv_quantized(k_cache, v_cache, k, v, slot_mapping, fmt, k_scale, v_scale):
+def _write_kv(k_cache, v_cache, k, v, slot_mapping, fmt, k_scale, v_scale):
     block_size = k_cache.shape[2]
     for t in range(slot_mapping.shape[0]):
         slot = slot_mapping[t]
@@ -138,6 +127,10 @@ def _write_kv_quantized(k_cache, v_cache, k, v, slot_mapping, fmt, k_scale, v_sc
             continue
         block = slot // block_size
         offset = slot % block_size
+        if fmt == KV_FLOAT:                          # a plain copy of the token's K/V rows
+            k_cache[block, :, offset, :] = k[t]
+            v_cache[block, :, offset, :] = v[t]
+            continue
         for h in range(k.shape[1]):
             _quantize_vector(k[t, h], k_cache[block, h, offset], fmt, k_scale, block, h, offset)
             _quantize_vector(v[t, h], v_cache[block, h, offset], fmt, v_scale, block, h, offset)
@@ -179,9 +172,9 @@ def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndar
     if bounds is not None:
         _update_key_bounds(k, slot_mapping, k_cache.shape[2], bounds.key_min, bounds.key_max)
     if quant is None:
-        _write_kv(k_cache, v_cache, k, v, slot_mapping)
+        _write_kv(k_cache, v_cache, k, v, slot_mapping, KV_FLOAT, _NO_SCALES, _NO_SCALES)
     else:
-        _write_kv_quantized(k_cache, v_cache, k, v, slot_mapping, quant.fmt, quant.k_scale, quant.v_scale)
+        _write_kv(k_cache, v_cache, k, v, slot_mapping, quant.fmt, quant.k_scale, quant.v_scale)
 
 
 # --------------------------------------------------------------------------- block copies (DMA)
@@ -522,7 +515,6 @@ def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
     return AttentionPlan(meta, blas_seqs, work, estimate, threads, items, merges)
 
 
-_NO_SCALES = np.ones((1, 1, 1), np.float32)    # a float cache: no scales
 _NO_BOUNDS = np.zeros((1, 1, 1), np.float32)   # dense attention: no page metadata
 
 

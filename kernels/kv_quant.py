@@ -24,6 +24,8 @@ rounding to nearest even and saturating at the largest finite value, as vLLM's k
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types as nb_types
@@ -34,7 +36,6 @@ KV_FLOAT, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2 = 0, 1, 2, 3
 KV_CACHE_DTYPES = {"auto": KV_FLOAT, "int8": KV_INT8, "fp8": KV_FP8_E4M3,
                    "fp8_e4m3": KV_FP8_E4M3, "fp8_e5m2": KV_FP8_E5M2}
 STORAGE_DTYPE = {KV_INT8: np.int8, KV_FP8_E4M3: np.uint8, KV_FP8_E5M2: np.uint8}
-INT8_MAX = 127.0
 # calculate_kv_scales: a layer's fp8 scale is max|x| of the first step's K (V) over these,
 # vLLM's defaults (K_SCALE_CONSTANT, V_SCALE_CONSTANT): the largest value seen lands well
 # inside e4m3's 448, leaving room for larger ones later
@@ -162,10 +163,13 @@ def _fp8_decode_table(fmt, out):
         out[code] = fp8_to_float(np.uint8(code), fmt)
 
 
+@lru_cache(maxsize=None)
 def fp8_table(fmt: int) -> np.ndarray:
-    """(256,) float32: the value of every fp8 byte (for NumPy code that widens many at once)."""
+    """(256,) float32, read-only: the value of every fp8 byte (for NumPy code that widens many
+    at once), computed once per format."""
     out = np.empty(256, np.float32)
     _fp8_decode_table(fmt, out)
+    out.flags.writeable = False
     return out
 
 

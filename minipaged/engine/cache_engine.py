@@ -117,33 +117,30 @@ class CacheEngine:
             raise ValueError(f"a sparse budget must be 0 (dense) or >= {2 * self.block_size} tokens, got {tokens}")
         self.sparse_keep = tokens // self.block_size
 
-    @property
-    def per_block_scales(self) -> bool:
-        return self.kv_format == KV_INT8
+    def _per_block(self) -> list[tuple]:
+        """(device array, swap-space array) of everything indexed by block id: the K/V bytes,
+        int8's scales, the sparse key bounds. A block moves with all of them."""
+        pairs = [(self.kv_cache, self.cpu_cache)]
+        if self.kv_format == KV_INT8:
+            pairs.append((self.kv_scales, self.cpu_scales))
+        if self.key_bounds is not None:
+            pairs.append((self.key_bounds, self.cpu_bounds))
+        return pairs
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy (device block, CPU block) pairs into the swap space (bytes and their scales)."""
-        self.ops.swap_blocks(self.kv_cache, self.cpu_cache, mapping)
-        if self.per_block_scales:
-            self.ops.swap_blocks(self.kv_scales, self.cpu_scales, mapping)
-        if self.key_bounds is not None:
-            self.ops.swap_blocks(self.key_bounds, self.cpu_bounds, mapping)
+        for device, host in self._per_block():
+            self.ops.swap_blocks(device, host, mapping)
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy (CPU block, device block) pairs back into the device pool."""
-        self.ops.swap_blocks(self.cpu_cache, self.kv_cache, mapping)
-        if self.per_block_scales:
-            self.ops.swap_blocks(self.cpu_scales, self.kv_scales, mapping)
-        if self.key_bounds is not None:
-            self.ops.swap_blocks(self.cpu_bounds, self.key_bounds, mapping)
+        for device, host in self._per_block():
+            self.ops.swap_blocks(host, device, mapping)
 
     def copy(self, mapping: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate (shared block, private block) pairs inside the device pool."""
-        self.ops.copy_blocks(self.kv_cache, mapping)
-        if self.per_block_scales:
-            self.ops.copy_blocks(self.kv_scales, mapping)
-        if self.key_bounds is not None:
-            self.ops.copy_blocks(self.key_bounds, mapping)
+        for device, _ in self._per_block():
+            self.ops.copy_blocks(device, mapping)
 
 
 def _pinned(shape, dtype):
