@@ -35,6 +35,22 @@ def _copy_blocks_kernel(src, dst, mapping):
         i += cuda.blockDim.x
 
 
+@cuda.jit
+def _copy_block_metadata_kernel(src, dst, mapping):
+    """The same for what a block carries beside its K/V, one axis fewer: int8's scales
+    (num_layers, 2, num_blocks, kv_heads, block_size) and block-sparse attention's key bounds
+    (num_layers, 2, num_blocks, kv_heads, head_dim)."""
+    pair = cuda.blockIdx.x
+    layer = cuda.blockIdx.y // 2
+    kv = cuda.blockIdx.y % 2
+    s = mapping[pair, 0]
+    d = mapping[pair, 1]
+    heads, width = src.shape[3], src.shape[4]
+    i = cuda.threadIdx.x
+    while i < heads * width:
+        dst[layer, kv, d, i // width, i % width] = src[layer, kv, s, i // width, i % width]
+        i += cuda.blockDim.x
+
 
 @cuda.jit
 def _fill_kernel(array, value):
@@ -57,14 +73,16 @@ def probe_mapped_launch(n: int = 64) -> bool:
 def swap_blocks(src, dst, block_mapping) -> None:
     """Copy blocks ``block_mapping[:, 0]`` of ``src`` to ``block_mapping[:, 1]`` of ``dst``.
 
-    src, dst: (num_layers, 2, num_blocks, kv_heads, block_size, head_dim) device or pinned arrays
+    src, dst: (num_layers, 2, num_blocks, kv_heads, block_size, head_dim) device or pinned arrays,
+              or a block's metadata with one axis fewer (int8 scales, sparse key bounds)
     block_mapping: (n, 2) int64 (host); it is copied to the device for the launch.
     """
     mapping = np.ascontiguousarray(block_mapping, dtype=np.int64).reshape(-1, 2)
     if len(mapping) == 0:
         return
     grid = (len(mapping), src.shape[0] * 2)
-    _copy_blocks_kernel[grid, THREADS](_device(src), _device(dst), cuda.to_device(mapping))
+    kernel = _copy_blocks_kernel if src.ndim == 6 else _copy_block_metadata_kernel
+    kernel[grid, THREADS](_device(src), _device(dst), cuda.to_device(mapping))
 
 
 def copy_blocks(kv_cache, block_mapping) -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .layout import AttentionMetadata
+from .kv_quant import K_SCALE_CONSTANT, KV_FLOAT, V_SCALE_CONSTANT
+from .layout import AttentionMetadata, BlockBounds, KVQuant
 
 KERNEL_DIR = Path(__file__).parent
 SOURCES = ("cache_ops.cu", "paged_attention.cu", "fused.cu")
@@ -38,12 +39,15 @@ class CudaAttentionPlan:
 
 class CudaOps:
     """Kernel namespace for the model: ``xp``, ``linear``, ``rms_norm``, ``rotary``, ``silu_and_mul``,
-    ``write_kv``, ``plan_attention``, ``paged_attention``, ``swap_blocks``, ``copy_blocks``."""
+    ``write_kv``, ``calibrate_kv_scales``, ``plan_attention``, ``paged_attention``, ``swap_blocks``,
+    ``copy_blocks``."""
 
     def __init__(self, xp, kernels, block_copy=None) -> None:
         self.xp = xp                 # cupy on a GPU, numpy in the CPU harness
         self._kernels = kernels      # name -> launcher(grid, block, args)
         self._block_copy = block_copy
+        self._none = xp.ones(1, np.float32)   # what a float cache passes for its scales
+        self._no_choice = xp.zeros(1, np.uint8)   # ... and dense attention for its chosen blocks
 
     def _launch(self, name: str, dtype, grid, block, args) -> None:
         # CuPy launches one block for a zero grid dimension (and a 0-size array's pointer is
@@ -52,17 +56,47 @@ class CudaOps:
         suffix = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}[np.dtype(dtype)]
         self._kernels[f"{name}_{suffix}"](tuple(grid), tuple(block), args)
 
+    def _compute_dtype(self, cache, x):
+        """The kernels' activation type: a float cache's own; with a compressed cache, x's."""
+        return cache.dtype if cache.dtype.kind == "f" else np.dtype(x.dtype)
+
     # ------------------------------------------------------------------ KV writes
-    def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
-        """Scatter k, v (T, kv_heads, head_dim) into the caches at slot_mapping (T,)."""
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping, quant: KVQuant | None = None,
+                 bounds: BlockBounds | None = None) -> None:
+        """Scatter k, v (T, kv_heads, head_dim) into the caches at slot_mapping (T,); with
+        ``quant``, as int8 / fp8 bytes (int8's per-token scales into quant.k_scale / v_scale);
+        with ``bounds``, widening each written block's key [min, max] (block-sparse attention)."""
         num_tokens, num_kv_heads, head_dim = k.shape
         if num_tokens == 0:
             return
         xp = self.xp
-        self._launch("write_kv", k_cache.dtype, (num_tokens,), (128,), [
-            xp.ascontiguousarray(k, dtype=k_cache.dtype), xp.ascontiguousarray(v, dtype=k_cache.dtype),
-            k_cache, v_cache, xp.ascontiguousarray(slot_mapping, dtype=np.int64),
-            np.int32(num_kv_heads), np.int32(head_dim), np.int32(k_cache.shape[2])])
+        dtype = self._compute_dtype(k_cache, k)
+        k, v = xp.ascontiguousarray(k, dtype=dtype), xp.ascontiguousarray(v, dtype=dtype)
+        slots = xp.ascontiguousarray(slot_mapping, dtype=np.int64)
+        block_size = k_cache.shape[2]
+        if bounds is not None:
+            row = num_kv_heads * head_dim
+            self._launch("update_key_bounds", dtype, (-(-row // 128),), (128,), [
+                k, slots, bounds.key_min, bounds.key_max, np.int32(num_tokens), np.int32(num_kv_heads),
+                np.int32(head_dim), np.int32(block_size)])
+        fmt, k_scale, v_scale = self._scales(quant)
+        self._launch("write_kv", dtype, (num_tokens,), (128,), [
+            k, v, k_cache, v_cache, k_scale, v_scale, slots, np.int32(num_kv_heads), np.int32(head_dim),
+            np.int32(block_size), np.int32(fmt)])
+
+    def _scales(self, quant: KVQuant | None):
+        """(format, K scales, V scales) as the kernels take them."""
+        if quant is None:
+            return KV_FLOAT, self._none, self._none
+        return quant.fmt, quant.k_scale, quant.v_scale
+
+    def calibrate_kv_scales(self, k, v, quant: KVQuant) -> None:
+        """fp8's calculate_kv_scales, on the device (kernels/cpu.py's rule): the layer's scales
+        are max|k| / K_SCALE_CONSTANT and max|v| / V_SCALE_CONSTANT, 1.0 where all are 0."""
+        xp = self.xp
+        for x, scale, constant in ((k, quant.k_scale, K_SCALE_CONSTANT), (v, quant.v_scale, V_SCALE_CONSTANT)):
+            top = xp.abs(x).max().astype(np.float64) if x.size else xp.zeros((), np.float64)
+            scale[...] = xp.where(top > 0, top / constant, 1.0)   # no host round trip
 
     # ------------------------------------------------------------------ attention
     def plan_attention(self, meta: AttentionMetadata) -> CudaAttentionPlan:
@@ -81,35 +115,52 @@ class CudaOps:
             tiles = self.xp.asarray(np.stack([seq, starts], axis=1).astype(np.int64))   # (W, 2)
         return CudaAttentionPlan(meta, decode_only, parts, tiles)
 
-    def paged_attention(self, q, k_cache, v_cache, plan, scale: float):
-        """Causal attention of q (T, heads, head_dim) through block tables -> (T, heads, head_dim)."""
+    def paged_attention(self, q, k_cache, v_cache, plan, scale: float, quant: KVQuant | None = None,
+                        bounds: BlockBounds | None = None):
+        """Causal attention of q (T, heads, head_dim) through block tables -> (T, heads, head_dim).
+
+        ``quant``: a compressed cache (int8 / fp8 bytes and their scales), widened as it is read.
+        ``bounds``: block-sparse decode attention: a sequence whose one new token decodes reads
+        only the ``bounds.keep`` blocks ``paged_select_blocks`` chooses per head."""
         if isinstance(plan, AttentionMetadata):
             plan = self.plan_attention(plan)
         xp, meta = self.xp, plan.meta
         num_tokens, num_heads, head_dim = q.shape
         assert head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} not supported"
-        q = xp.ascontiguousarray(q, dtype=k_cache.dtype)
-        out = xp.empty(q.shape, dtype=k_cache.dtype)
+        dtype = self._compute_dtype(k_cache, q)
+        q = xp.ascontiguousarray(q, dtype=dtype)
+        out = xp.empty(q.shape, dtype=dtype)
         num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
         tables = xp.ascontiguousarray(meta.block_tables, dtype=np.int32)
         seq_lens = xp.ascontiguousarray(meta.seq_lens, dtype=np.int32)
-        common = [np.int32(tables.shape[1]), np.int32(num_kv_heads), np.int32(head_dim), np.int32(block_size)]
+        qsl = xp.ascontiguousarray(meta.query_start_loc, dtype=np.int32)
+        num_seqs, max_blocks = int(seq_lens.shape[0]), int(tables.shape[1])
+        common = [np.int32(max_blocks), np.int32(num_kv_heads), np.int32(head_dim), np.int32(block_size)]
+        fmt, k_scale, v_scale = self._scales(quant)
+        sparse = bounds is not None and bounds.keep > 0
+        chosen = self._no_choice
+        if sparse:     # which blocks each decoding head reads: (S, heads, max_blocks) 0 / 1
+            chosen = xp.zeros((num_seqs, num_heads, max_blocks), np.uint8)
+            scores = xp.empty((num_seqs, num_heads, max_blocks), np.float32)   # (S, heads, max_blocks)
+            self._launch("paged_select_blocks", dtype, (num_heads, num_seqs), (128,), [
+                chosen, scores, q, bounds.key_min, bounds.key_max, tables, seq_lens, qsl, *common,
+                np.int32(bounds.keep), np.float32(scale)])
         if plan.decode_only:
-            num_seqs, parts = num_tokens, plan.num_partitions
+            parts = plan.num_partitions
             scratch = [xp.empty((num_seqs, num_heads, parts, head_dim), np.float32),
                        xp.empty((num_seqs, num_heads, parts), np.float32),
                        xp.empty((num_seqs, num_heads, parts), np.float32)]
-            self._launch("paged_decode", k_cache.dtype, (num_heads, num_seqs, parts), (NUM_WARPS * 32,),
-                         [out, *scratch, q, k_cache, v_cache, tables, seq_lens, *common,
-                          np.int32(PARTITION_SIZE if parts > 1 else max(meta.max_seq_len, 1)),
-                          np.float32(scale)])
+            self._launch("paged_decode", dtype, (num_heads, num_seqs, parts), (NUM_WARPS * 32,),
+                         [out, *scratch, q, k_cache, v_cache, k_scale, v_scale, chosen, tables, seq_lens,
+                          *common, np.int32(PARTITION_SIZE if parts > 1 else max(meta.max_seq_len, 1)),
+                          np.int32(fmt), np.int32(sparse), np.float32(scale)])
             if parts > 1:
-                self._launch("paged_decode_reduce", k_cache.dtype, (num_heads, num_seqs), (128,),
+                self._launch("paged_decode_reduce", dtype, (num_heads, num_seqs), (128,),
                              [out, *scratch, np.int32(parts), np.int32(head_dim)])
             return out
-        qsl = xp.ascontiguousarray(meta.query_start_loc, dtype=np.int32)
-        self._launch("paged_prefill", k_cache.dtype, (plan.tiles.shape[0], num_heads), (NUM_WARPS * 32,),
-                     [out, q, k_cache, v_cache, tables, seq_lens, qsl, plan.tiles, *common, np.float32(scale)])
+        self._launch("paged_prefill", dtype, (plan.tiles.shape[0], num_heads), (NUM_WARPS * 32,),
+                     [out, q, k_cache, v_cache, k_scale, v_scale, chosen, tables, seq_lens, qsl, plan.tiles,
+                      *common, np.int32(fmt), np.int32(sparse), np.float32(scale)])
         return out
 
     # ------------------------------------------------------------------ matrix products

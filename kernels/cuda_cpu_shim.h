@@ -12,6 +12,8 @@
 //   __shfl_xor_sync(mask, v, m)   an exchange through a per-warp buffer between two barriers
 //                                 (all 32 lanes of a warp must call it together: full masks)
 //   __half / __half2              _Float16 (IEEE binary16, round to nearest like __float2half)
+//   cuda_fp8.h's fp8 bytes        __nv_cvt_float_to_fp8 (round to nearest even, saturating) and
+//                                 __nv_cvt_fp8_to_halfraw, written out with frexp / ldexp
 // What is not here, a kernel may not use (docs/kernels.md lists it): atomics, dynamic shared
 // memory, cooperative groups, textures, warp votes, partial-warp masks.
 #pragma once
@@ -41,6 +43,75 @@ inline float __half2float(__half h) { return (float)h; }
 inline __half __float2half(float f) { return (__half)f; }
 inline float2 __half22float2(__half2 h) { return float2{(float)h.x, (float)h.y}; }
 
+inline __half __ushort_as_half(unsigned short bits) {
+    __half h;
+    std::memcpy(&h, &bits, sizeof h);
+    return h;
+}
+
+// ---- cuda_fp8.h: the two fp8 formats as bytes, and the two conversions the kernels use
+typedef unsigned char __nv_fp8_storage_t;
+enum __nv_saturation_t { __NV_NOSAT, __NV_SATFINITE };
+enum __nv_fp8_interpretation_t { __NV_E4M3, __NV_E5M2 };
+struct __half_raw {
+    unsigned short x;
+};
+
+namespace cuda_cpu {
+struct Fp8Format {
+    int mantissa_bits, min_exponent;  // a normal value is 1.m * 2^e with e >= min_exponent
+    float largest;                    // the largest finite value
+};
+inline Fp8Format fp8_format(__nv_fp8_interpretation_t kind) {
+    return kind == __NV_E5M2 ? Fp8Format{2, -14, 57344.f} : Fp8Format{3, -6, 448.f};
+}
+}  // namespace cuda_cpu
+
+// The fp8 byte nearest x (ties to even). Written as arithmetic on the value: the grid of
+// representable values around |x| has spacing 2^(e - mantissa bits), where e is |x|'s
+// exponent (never below the smallest normal's: subnormals share its spacing).
+inline __nv_fp8_storage_t __nv_cvt_float_to_fp8(float x, __nv_saturation_t saturate,
+                                                __nv_fp8_interpretation_t kind) {
+    const cuda_cpu::Fp8Format f = cuda_cpu::fp8_format(kind);
+    const unsigned char sign = std::signbit(x) ? 0x80 : 0x00;
+    if (std::isnan(x)) return sign | 0x7F;                     // NaN in both formats
+    float a = std::fabs(x);
+    if (saturate == __NV_SATFINITE) a = std::fmin(a, f.largest);
+    int e;
+    std::frexp(a, &e);                                         // a = m * 2^e, m in [0.5, 1)
+    e = std::max(e - 1, f.min_exponent);                       // a = 1.m * 2^e (or subnormal)
+    const float spacing = std::ldexp(1.f, e - f.mantissa_bits);
+    float rounded = std::nearbyint(a / spacing) * spacing;     // the default mode: to nearest even
+    if (saturate == __NV_SATFINITE) rounded = std::fmin(rounded, f.largest);
+    if (rounded < std::ldexp(1.f, f.min_exponent))             // a subnormal (or zero): exponent 0
+        return sign | (unsigned char)(rounded / std::ldexp(1.f, f.min_exponent - f.mantissa_bits));
+    std::frexp(rounded, &e);                                   // rounding may have reached 2^(e+1)
+    e -= 1;
+    const int mantissa = (int)((std::ldexp(rounded, -e) - 1.f) * (1 << f.mantissa_bits));
+    const int biased = e - f.min_exponent + 1;
+    return sign | (unsigned char)((biased << f.mantissa_bits) | mantissa);
+}
+
+// An fp8 byte as a half's bits (exactly: every fp8 value is a half).
+inline __half_raw __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t byte, __nv_fp8_interpretation_t kind) {
+    const cuda_cpu::Fp8Format f = cuda_cpu::fp8_format(kind);
+    const int exponent_bits = 7 - f.mantissa_bits;
+    const int biased = (byte >> f.mantissa_bits) & ((1 << exponent_bits) - 1);
+    const int mantissa = byte & ((1 << f.mantissa_bits) - 1);
+    float value;
+    const bool e4m3_nan = kind == __NV_E4M3 && (byte & 0x7F) == 0x7F;
+    if (e4m3_nan || (kind == __NV_E5M2 && biased == 31))
+        value = (kind == __NV_E5M2 && mantissa == 0) ? INFINITY : NAN;
+    else if (biased == 0)
+        value = std::ldexp((float)mantissa, f.min_exponent - f.mantissa_bits);
+    else
+        value = std::ldexp(1.f + (float)mantissa / (1 << f.mantissa_bits), biased - 1 + f.min_exponent);
+    const __half h = (__half)((byte & 0x80) ? -value : value);
+    __half_raw raw;
+    std::memcpy(&raw.x, &h, sizeof raw.x);
+    return raw;
+}
+
 #define __global__
 #define __device__
 #define __host__
@@ -52,6 +123,7 @@ inline float2 __half22float2(__half2 h) { return float2{(float)h.x, (float)h.y};
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 using std::fmaxf;
+using std::fminf;
 using std::max;
 using std::min;
 #ifndef INFINITY

@@ -13,6 +13,16 @@
 //                    grid = (num_tiles, num_heads), block = NUM_WARPS * 32. A tile is up to
 //                    QUERY_TILE queries of one sequence; the block loads each KV block into
 //                    shared memory once, in sub-tiles, and every warp reuses it for its queries.
+//   paged_select_blocks_*  block-sparse decode (Quest): grid = (num_heads, num_seqs), block = 128.
+//                    Scores every block of a one-query sequence's context by the most its keys
+//                    could score, sum_d max(q_d * min_d, q_d * max_d) (warp per block), then marks
+//                    the first, the last and the keep - 2 best of the others in `chosen`
+//                    (S, heads, max_blocks): a block's rank is the number of blocks that beat it
+//                    (a higher bound, or an equal one earlier), one thread per block.
+//                    The decode and prefill kernels then skip the blocks not marked.
+// Compressed caches (kv_format int8 / fp8, common.cuh): the kernels read one byte per value
+// and widen it in registers (decode) or as it is staged in shared memory (prefill); int8's
+// per-token scales multiply each score and each value's weight, fp8's layer scale the same.
 // Requirements: head_dim even and <= MAX_HEAD_DIM; block_size a power of two; the partition
 // size a multiple of block_size.
 #include "common.cuh"
@@ -24,13 +34,16 @@
 
 // ------------------------------------------------------------------------------ decode
 
-template <typename T>
+template <typename T, typename C, int FMT>
 __device__ void paged_decode(T* __restrict__ out, float* __restrict__ part_out,
                              float* __restrict__ part_max, float* __restrict__ part_sum,
-                             const T* __restrict__ q, const T* __restrict__ k_cache,
-                             const T* __restrict__ v_cache, const int* __restrict__ block_tables,
-                             const int* __restrict__ seq_lens, int max_blocks, int num_kv_heads,
-                             int head_dim, int block_size, int partition_size, float scale) {
+                             const T* __restrict__ q, const C* __restrict__ k_cache,
+                             const C* __restrict__ v_cache, const float* __restrict__ k_scale,
+                             const float* __restrict__ v_scale, const unsigned char* __restrict__ chosen,
+                             const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+                             int max_blocks, int num_kv_heads, int head_dim, int block_size,
+                             int partition_size, int sparse, float scale, float* s_max, float* s_sum,
+                             float (*s_acc)[MAX_HEAD_DIM]) {
     const int head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
     const int num_heads = gridDim.x, num_parts = gridDim.z;
     const int kv_head = head / (num_heads / num_kv_heads);   // GQA: heads share a KV head
@@ -51,40 +64,43 @@ __device__ void paged_decode(T* __restrict__ out, float* __restrict__ part_out,
     }
     float m = -INFINITY, l = 0.f;  // online softmax: running max and running sum of exp
     const int* table = block_tables + (long long)seq * max_blocks;
+    const unsigned char* keep = chosen + ((long long)seq * num_heads + head) * max_blocks;
     for (int b = start / block_size + warp; b * block_size < end; b += NUM_WARPS) {
-        const long long base = ((long long)table[b] * num_kv_heads + kv_head) * block_size * head_dim;
+        if (sparse && !keep[b]) continue;    // block-sparse: a block this head does not read
+        const long long first_token = ((long long)table[b] * num_kv_heads + kv_head) * block_size;
         const int first = b * block_size;
         const int last = min(end, first + block_size);
         for (int pos = first; pos < last; ++pos) {
-            const T* k_row = k_cache + base + (long long)(pos - first) * head_dim;
+            const long long token = first_token + (pos - first);   // (block, kv head, offset)
+            const C* k_row = k_cache + token * head_dim;
             float s = 0.f;
             for (int i = 0; i < MAX_PAIRS; ++i) {
                 const int d = 64 * i + 2 * lane;
                 if (d < head_dim) {
-                    float2 kk = load2(k_row + d);
+                    float2 kk = widen2<FMT>(k_row + d);
                     s += qv[2 * i] * kk.x + qv[2 * i + 1] * kk.y;
                 }
             }
-            s = warp_sum(s);  // every lane now holds q . k
+            s = warp_sum(s) * token_scale<FMT>(k_scale, token);  // every lane now holds q . k
             const float m_new = fmaxf(m, s);
             const float correction = __expf(m - m_new), p = __expf(s - m_new);
             l = l * correction + p;
-            const T* v_row = v_cache + base + (long long)(pos - first) * head_dim;
+            const float pv = p * token_scale<FMT>(v_scale, token);
+            const C* v_row = v_cache + token * head_dim;
             for (int i = 0; i < MAX_PAIRS; ++i) {
                 const int d = 64 * i + 2 * lane;
                 if (d < head_dim) {
-                    float2 vv = load2(v_row + d);
-                    acc[2 * i] = acc[2 * i] * correction + p * vv.x;
-                    acc[2 * i + 1] = acc[2 * i + 1] * correction + p * vv.y;
+                    float2 vv = widen2<FMT>(v_row + d);
+                    acc[2 * i] = acc[2 * i] * correction + pv * vv.x;
+                    acc[2 * i + 1] = acc[2 * i + 1] * correction + pv * vv.y;
                 }
             }
             m = m_new;
         }
     }
 
-    // Merge the warps: out = sum_w acc_w e^(m_w - M) / sum_w l_w e^(m_w - M).
-    __shared__ float s_max[NUM_WARPS], s_sum[NUM_WARPS];
-    __shared__ float s_acc[NUM_WARPS][MAX_HEAD_DIM];
+    // Merge the warps through shared memory (s_max, s_sum: (NUM_WARPS,), s_acc: (NUM_WARPS,
+    // MAX_HEAD_DIM)): out = sum_w acc_w e^(m_w - M) / sum_w l_w e^(m_w - M).
     if (lane == 0) {
         s_max[warp] = m;
         s_sum[warp] = l;
@@ -148,12 +164,14 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
 
 // ------------------------------------------------------------------------------ prefill
 
-template <typename T>
-__device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k_cache,
-                              const T* __restrict__ v_cache, const int* __restrict__ block_tables,
-                              const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
-                              const long long* __restrict__ tiles, int max_blocks, int num_kv_heads,
-                              int head_dim, int block_size, float scale) {
+template <typename T, typename C, int FMT>
+__device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, const C* __restrict__ k_cache,
+                              const C* __restrict__ v_cache, const float* __restrict__ k_scale,
+                              const float* __restrict__ v_scale, const unsigned char* __restrict__ chosen,
+                              const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+                              const int* __restrict__ query_start_loc, const long long* __restrict__ tiles,
+                              int max_blocks, int num_kv_heads, int head_dim, int block_size, int sparse,
+                              float scale, float (*s_k)[MAX_HEAD_DIM], float (*s_v)[MAX_HEAD_DIM]) {
     // tiles on x (up to 2^31 - 1 of them), heads on y
     const int head = blockIdx.y, num_heads = gridDim.y;
     const int kv_head = head / (num_heads / num_kv_heads);
@@ -181,19 +199,20 @@ __device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, cons
         l[j] = 0.f;
     }
 
-    // read below as float2 (8-byte loads): the tiles must be aligned to at least 8 bytes
-    __shared__ __align__(16) float s_k[KV_SUBTILE][MAX_HEAD_DIM];
-    __shared__ __align__(16) float s_v[KV_SUBTILE][MAX_HEAD_DIM];
+    // s_k, s_v (KV_SUBTILE, MAX_HEAD_DIM): the staged keys and values, in shared memory
     const int* table = block_tables + (long long)seq * max_blocks;
+    // a sequence whose one new token decodes (in a mixed batch) reads only its chosen blocks
+    const bool skip_blocks = sparse && seq_end - seq_start == 1;
+    const unsigned char* keep = chosen + ((long long)seq * num_heads + head) * max_blocks;
     for (int sub = 0; sub <= last_pos; sub += KV_SUBTILE) {
         // Stage positions sub .. sub + KV_SUBTILE - 1 (through the block table) for all warps.
         const int count = min(KV_SUBTILE, last_pos + 1 - sub);
         for (int i = threadIdx.x; i < count * head_dim; i += blockDim.x) {
             const int pos = sub + i / head_dim, d = i % head_dim;
-            const long long idx = (((long long)table[pos / block_size] * num_kv_heads + kv_head) * block_size
-                                   + pos % block_size) * head_dim + d;
-            s_k[i / head_dim][d] = to_float(k_cache[idx]);
-            s_v[i / head_dim][d] = to_float(v_cache[idx]);
+            const long long token = ((long long)table[pos / block_size] * num_kv_heads + kv_head) * block_size
+                                    + pos % block_size;
+            s_k[i / head_dim][d] = widen<FMT>(k_cache[token * head_dim + d]) * token_scale<FMT>(k_scale, token);
+            s_v[i / head_dim][d] = widen<FMT>(v_cache[token * head_dim + d]) * token_scale<FMT>(v_scale, token);
         }
         __syncthreads();
         for (int j = 0; j < QUERIES_PER_WARP; ++j) {
@@ -202,6 +221,7 @@ __device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, cons
             if (t >= t1) continue;                          // warp-uniform: whole warp skips
             const int visible = min(count, qpos - sub + 1);  // causal: positions <= qpos
             for (int o = 0; o < visible; ++o) {
+                if (skip_blocks && !keep[(sub + o) / block_size]) continue;   // warp-uniform
                 float s = 0.f;
                 for (int i = 0; i < MAX_PAIRS; ++i) {
                     const int d = 64 * i + 2 * lane;
@@ -241,30 +261,109 @@ __device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, cons
     }
 }
 
+// ------------------------------------------------------------------------------ block-sparse selection
+
+template <typename T>
+__device__ void paged_select_blocks(unsigned char* __restrict__ chosen, float* __restrict__ bound,
+                                    const T* __restrict__ q, const float* __restrict__ key_min,
+                                    const float* __restrict__ key_max, const int* __restrict__ block_tables,
+                                    const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
+                                    int max_blocks, int num_kv_heads, int head_dim, int block_size, int keep,
+                                    float scale) {
+    const int head = blockIdx.x, seq = blockIdx.y, num_heads = gridDim.x;
+    if (query_start_loc[seq + 1] - query_start_loc[seq] != 1) return;   // not decoding: dense
+    const int kv_head = head / (num_heads / num_kv_heads);
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int num_warps = blockDim.x / WARP_SIZE;
+    const int n = (seq_lens[seq] + block_size - 1) / block_size;         // the context's blocks
+    const T* q_row = q + ((long long)query_start_loc[seq] * num_heads + head) * head_dim;
+    const int* table = block_tables + (long long)seq * max_blocks;
+    const long long row = (long long)seq * num_heads + head;
+    float* score = bound + row * max_blocks;
+    unsigned char* mark = chosen + row * max_blocks;
+    for (int j = warp; j < n; j += num_warps) {                          // a warp per block
+        const float* lo = key_min + ((long long)table[j] * num_kv_heads + kv_head) * head_dim;
+        const float* hi = key_max + ((long long)table[j] * num_kv_heads + kv_head) * head_dim;
+        float s = 0.f;
+        for (int d = lane; d < head_dim; d += WARP_SIZE) {
+            const float x = to_float(q_row[d]) * scale;
+            s += fmaxf(x * lo[d], x * hi[d]);
+        }
+        s = warp_sum(s);
+        if (lane == 0) score[j] = s;
+    }
+    __syncthreads();   // every bound written (global memory: visible to the block after the barrier)
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        bool take = j == 0 || j == n - 1 || keep >= n;
+        if (!take) {
+            int rank = 0;                                                // middle blocks that beat j
+            for (int i = 1; i < n - 1; ++i) rank += score[i] > score[j] || (score[i] == score[j] && i < j);
+            take = rank < keep - 2;
+        }
+        mark[j] = take;
+    }
+}
+
 // ------------------------------------------------------------------------------ entry points
+// One per activation type (float, half); the cache's format is an argument (kv_format),
+// switched on once: each case is the kernel body compiled for that storage type. Shared
+// memory is declared here, once, and handed to whichever body runs (declared inside the
+// template, each of the four instantiations would reserve its own).
+
+#define DECODE_SHARED                                                                         \
+    __shared__ float s_max[NUM_WARPS], s_sum[NUM_WARPS];                                      \
+    __shared__ float s_acc[NUM_WARPS][MAX_HEAD_DIM];
+
+// read as float2 (8-byte loads) by the prefill kernel: aligned to at least 8 bytes
+#define PREFILL_SHARED                                                                        \
+    __shared__ __align__(16) float s_k[KV_SUBTILE][MAX_HEAD_DIM];                             \
+    __shared__ __align__(16) float s_v[KV_SUBTILE][MAX_HEAD_DIM];
+
+#define DISPATCH_FORMAT(T, CALL)                                                              \
+    switch (kv_format) {                                                                      \
+        case KV_INT8: CALL(T, signed char, KV_INT8); break;                                   \
+        case KV_FP8_E4M3: CALL(T, unsigned char, KV_FP8_E4M3); break;                         \
+        case KV_FP8_E5M2: CALL(T, unsigned char, KV_FP8_E5M2); break;                         \
+        default: CALL(T, T, KV_FLOAT);                                                        \
+    }
+
+#define DECODE(T, C, FMT)                                                                     \
+    paged_decode<T, C, FMT>(out, part_out, part_max, part_sum, q, (const C*)k_cache,          \
+                            (const C*)v_cache, k_scale, v_scale, chosen, block_tables, seq_lens, \
+                            max_blocks, num_kv_heads, head_dim, block_size, partition_size, sparse, scale, \
+                            s_max, s_sum, s_acc)
+
+#define PREFILL(T, C, FMT)                                                                    \
+    paged_prefill<T, C, FMT>(out, q, (const C*)k_cache, (const C*)v_cache, k_scale, v_scale, chosen, \
+                             block_tables, seq_lens, query_start_loc, tiles, max_blocks, num_kv_heads, \
+                             head_dim, block_size, sparse, scale, s_k, s_v)
 
 extern "C" __global__ void paged_decode_f32(float* __restrict__ out, float* __restrict__ part_out,
                                             float* __restrict__ part_max, float* __restrict__ part_sum,
-                                            const float* __restrict__ q, const float* __restrict__ k_cache,
-                                            const float* __restrict__ v_cache,
+                                            const float* __restrict__ q, const void* __restrict__ k_cache,
+                                            const void* __restrict__ v_cache, const float* __restrict__ k_scale,
+                                            const float* __restrict__ v_scale,
+                                            const unsigned char* __restrict__ chosen,
                                             const int* __restrict__ block_tables,
                                             const int* __restrict__ seq_lens, int max_blocks,
                                             int num_kv_heads, int head_dim, int block_size,
-                                            int partition_size, float scale) {
-    paged_decode<float>(out, part_out, part_max, part_sum, q, k_cache, v_cache, block_tables, seq_lens,
-                        max_blocks, num_kv_heads, head_dim, block_size, partition_size, scale);
+                                            int partition_size, int kv_format, int sparse, float scale) {
+    DECODE_SHARED
+    DISPATCH_FORMAT(float, DECODE)
 }
 
 extern "C" __global__ void paged_decode_f16(__half* __restrict__ out, float* __restrict__ part_out,
                                             float* __restrict__ part_max, float* __restrict__ part_sum,
-                                            const __half* __restrict__ q, const __half* __restrict__ k_cache,
-                                            const __half* __restrict__ v_cache,
+                                            const __half* __restrict__ q, const void* __restrict__ k_cache,
+                                            const void* __restrict__ v_cache, const float* __restrict__ k_scale,
+                                            const float* __restrict__ v_scale,
+                                            const unsigned char* __restrict__ chosen,
                                             const int* __restrict__ block_tables,
                                             const int* __restrict__ seq_lens, int max_blocks,
                                             int num_kv_heads, int head_dim, int block_size,
-                                            int partition_size, float scale) {
-    paged_decode<__half>(out, part_out, part_max, part_sum, q, k_cache, v_cache, block_tables, seq_lens,
-                         max_blocks, num_kv_heads, head_dim, block_size, partition_size, scale);
+                                            int partition_size, int kv_format, int sparse, float scale) {
+    DECODE_SHARED
+    DISPATCH_FORMAT(__half, DECODE)
 }
 
 extern "C" __global__ void paged_decode_reduce_f32(float* __restrict__ out, const float* __restrict__ part_out,
@@ -282,25 +381,53 @@ extern "C" __global__ void paged_decode_reduce_f16(__half* __restrict__ out, con
 }
 
 extern "C" __global__ void paged_prefill_f32(float* __restrict__ out, const float* __restrict__ q,
-                                             const float* __restrict__ k_cache,
-                                             const float* __restrict__ v_cache,
+                                             const void* __restrict__ k_cache, const void* __restrict__ v_cache,
+                                             const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                                             const unsigned char* __restrict__ chosen,
                                              const int* __restrict__ block_tables,
                                              const int* __restrict__ seq_lens,
                                              const int* __restrict__ query_start_loc,
                                              const long long* __restrict__ tiles, int max_blocks,
-                                             int num_kv_heads, int head_dim, int block_size, float scale) {
-    paged_prefill<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tiles,
-                         max_blocks, num_kv_heads, head_dim, block_size, scale);
+                                             int num_kv_heads, int head_dim, int block_size, int kv_format,
+                                             int sparse, float scale) {
+    PREFILL_SHARED
+    DISPATCH_FORMAT(float, PREFILL)
 }
 
 extern "C" __global__ void paged_prefill_f16(__half* __restrict__ out, const __half* __restrict__ q,
-                                             const __half* __restrict__ k_cache,
-                                             const __half* __restrict__ v_cache,
+                                             const void* __restrict__ k_cache, const void* __restrict__ v_cache,
+                                             const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                                             const unsigned char* __restrict__ chosen,
                                              const int* __restrict__ block_tables,
                                              const int* __restrict__ seq_lens,
                                              const int* __restrict__ query_start_loc,
                                              const long long* __restrict__ tiles, int max_blocks,
-                                             int num_kv_heads, int head_dim, int block_size, float scale) {
-    paged_prefill<__half>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tiles,
-                          max_blocks, num_kv_heads, head_dim, block_size, scale);
+                                             int num_kv_heads, int head_dim, int block_size, int kv_format,
+                                             int sparse, float scale) {
+    PREFILL_SHARED
+    DISPATCH_FORMAT(__half, PREFILL)
+}
+
+extern "C" __global__ void paged_select_blocks_f32(unsigned char* __restrict__ chosen, float* __restrict__ bound,
+                                                   const float* __restrict__ q, const float* __restrict__ key_min,
+                                                   const float* __restrict__ key_max,
+                                                   const int* __restrict__ block_tables,
+                                                   const int* __restrict__ seq_lens,
+                                                   const int* __restrict__ query_start_loc, int max_blocks,
+                                                   int num_kv_heads, int head_dim, int block_size, int keep,
+                                                   float scale) {
+    paged_select_blocks<float>(chosen, bound, q, key_min, key_max, block_tables, seq_lens, query_start_loc,
+                               max_blocks, num_kv_heads, head_dim, block_size, keep, scale);
+}
+
+extern "C" __global__ void paged_select_blocks_f16(unsigned char* __restrict__ chosen, float* __restrict__ bound,
+                                                   const __half* __restrict__ q, const float* __restrict__ key_min,
+                                                   const float* __restrict__ key_max,
+                                                   const int* __restrict__ block_tables,
+                                                   const int* __restrict__ seq_lens,
+                                                   const int* __restrict__ query_start_loc, int max_blocks,
+                                                   int num_kv_heads, int head_dim, int block_size, int keep,
+                                                   float scale) {
+    paged_select_blocks<__half>(chosen, bound, q, key_min, key_max, block_tables, seq_lens, query_start_loc,
+                                max_blocks, num_kv_heads, head_dim, block_size, keep, scale);
 }

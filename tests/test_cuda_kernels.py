@@ -219,6 +219,20 @@ for num_layers, blocks, pairs in ((1, 4, 1), (2, 9, 5), (3, 16, 8)):
     spec.swap_blocks(want, want, cow)
     block_copy.copy_blocks(cache, cow)                         # copy-on-write inside a pool
     assert cache.tobytes() == want.tobytes()
+    # what a block carries beside its K/V, one axis fewer: int8 scales, sparse key bounds
+    for width in (4, 8):
+        meta = rng.standard_normal((num_layers, 2, blocks, 2, width)).astype(np.float32)
+        host = np.zeros((num_layers, 2, blocks + 3, 2, width), np.float32)
+        want = host.copy()
+        spec.swap_blocks(meta, want, mapping)
+        block_copy.swap_blocks(meta, host, mapping)
+        assert host.tobytes() == want.tobytes()
+    codes = rng.integers(-127, 128, (num_layers, 2, blocks, 2, 4, 8)).astype(np.int8)   # int8 bytes
+    moved = np.zeros((num_layers, 2, blocks + 3, 2, 4, 8), np.int8)
+    want = moved.copy()
+    spec.swap_blocks(codes, want, mapping)
+    block_copy.swap_blocks(codes, moved, mapping)
+    assert moved.tobytes() == want.tobytes()
 print("simulated ok")
 """
 

@@ -108,3 +108,89 @@ def test_gpu_engine_matches_the_cpu_engine(tmp_path):
                    dict(num_blocks=256, enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4)):
         gpu = LLM(str(model), device="cuda", dtype="float32", swap_space=0.01, **kwargs)
         assert_same_greedy_tokens(gpu.generate(prompts, params, use_tqdm=False), cpu, kwargs)
+
+
+def compressed_pool(rng, fmt, k, v):
+    """Float caches -> byte caches, scales and dequantized copies, by the NumPy spec."""
+    from minipaged.kernels import kv_quant
+    from minipaged.kernels.layout import KVQuant
+
+    storage = kv_quant.STORAGE_DTYPE[fmt]
+    shape = k.shape[:3] if fmt == kv_quant.KV_INT8 else (1, 1, 1)
+    fill = 0.0 if fmt == kv_quant.KV_INT8 else 0.03
+    quant = KVQuant(fmt, np.full(shape, fill, np.float32), np.full(shape, fill, np.float32))
+    kc, vc = np.zeros(k.shape, storage), np.zeros(v.shape, storage)
+    rows = lambda c: c.transpose(0, 2, 1, 3).reshape(-1, c.shape[1], c.shape[3]).astype(np.float32)  # noqa: E731
+    spec.write_kv(kc, vc, rows(k), rows(v), np.arange(k.shape[0] * k.shape[2], dtype=np.int64), quant)
+    return kc, vc, quant, spec.dequantize_kv(kc, fmt, quant.k_scale), spec.dequantize_kv(vc, fmt, quant.v_scale)
+
+
+@pytest.mark.parametrize("fmt", [1, 2, 3])   # int8, fp8 e4m3, fp8 e5m2
+def test_gpu_compressed_blocks_write_and_attend_as_the_spec_says(fmt):
+    import cupy
+
+    from minipaged.kernels.cuda import gpu_ops
+    from minipaged.kernels.layout import KVQuant
+
+    ops = gpu_ops()
+    rng = np.random.default_rng(fmt)
+    for seqs in ([(1, 700), (1, 3000), (1, 17)], [(40, 300), (1, 50), (7, 7)]):
+        q, k, v, meta = random_batch(rng, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64,
+                                     seqs=seqs, dtype=np.float16)
+        kc, vc, quant, kd, vd = compressed_pool(rng, fmt, k, v)
+        # the device's write_kv makes the same bytes and scales (the real cuda_fp8.h conversions)
+        dk, dv = cupy.zeros(kc.shape, kc.dtype), cupy.zeros(vc.shape, vc.dtype)
+        start = (lambda a: np.zeros_like(a)) if fmt == 1 else (lambda a: a)   # int8's scales are written  # noqa: E731
+        dquant = KVQuant(fmt, cupy.asarray(start(quant.k_scale)), cupy.asarray(start(quant.v_scale)))
+        rows = lambda c: c.transpose(0, 2, 1, 3).reshape(-1, c.shape[1], c.shape[3])  # noqa: E731
+        ops.write_kv(dk, dv, cupy.asarray(rows(k)), cupy.asarray(rows(v)),
+                     cupy.arange(k.shape[0] * k.shape[2], dtype=cupy.int64), dquant)
+        np.testing.assert_array_equal(cupy.asnumpy(dk), kc)
+        np.testing.assert_array_equal(cupy.asnumpy(dv), vc)
+        np.testing.assert_array_equal(cupy.asnumpy(dquant.k_scale), quant.k_scale)
+        device_meta = AttentionMetadata(*(cupy.asarray(a) for a in (meta.slot_mapping, meta.query_start_loc,
+                                                                     meta.seq_lens, meta.block_tables)),
+                                        meta.max_query_len, meta.max_seq_len)
+        got = ops.paged_attention(cupy.asarray(q), cupy.asarray(kc), cupy.asarray(vc), device_meta, 0.1,
+                                  KVQuant(fmt, cupy.asarray(quant.k_scale), cupy.asarray(quant.v_scale)))
+        want = spec.paged_attention(q.astype(np.float32), kd, vd, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, 0.1)
+        np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want, atol=3e-3)
+
+
+def test_gpu_sparse_decode_matches_the_spec():
+    import cupy
+
+    from minipaged.kernels.cuda import gpu_ops
+    from minipaged.kernels.layout import BlockBounds
+
+    ops = gpu_ops()
+    rng = np.random.default_rng(7)
+    q, k, v, meta = random_batch(rng, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64,
+                                 seqs=[(1, 4000), (1, 900), (1, 30)], dtype=np.float32)
+    key_min, key_max = (cupy.asarray(b) for b in spec.key_bounds(k))
+    device_meta = AttentionMetadata(*(cupy.asarray(a) for a in (meta.slot_mapping, meta.query_start_loc,
+                                                                 meta.seq_lens, meta.block_tables)),
+                                    meta.max_query_len, meta.max_seq_len)
+    got = ops.paged_attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), device_meta, 0.125, None,
+                              BlockBounds(key_min, key_max, 32))
+    want = spec.sparse_decode_attention(q, k, v, cupy.asnumpy(key_min), cupy.asnumpy(key_max), meta.block_tables,
+                                        meta.seq_lens, 0.125, 512)
+    np.testing.assert_allclose(cupy.asnumpy(got), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("kwargs", [dict(kv_cache_dtype="int8"), dict(kv_cache_dtype="fp8"),
+                                    dict(sparse_attention_budget=16, block_size=4)])
+def test_gpu_engine_with_compressed_or_sparse_blocks_matches_the_cpu_engine(tmp_path, kwargs):
+    """int8 / fp8 blocks and block-sparse decode on the GPU give the CPU engine's greedy tokens
+    with the same settings (up to near-ties), under swap preemption too."""
+    from minipaged import LLM, SamplingParams
+    from minipaged.model.random_llama import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny", head_dim=64)
+    prompts = [{"prompt_token_ids": list(range(3 + 7 * i, 40 + 7 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    cpu = LLM(str(model), device="cpu", swap_space=0.01, **kwargs).generate(prompts, params, use_tqdm=False)
+    for extra in (dict(num_blocks=256), dict(num_blocks=24, block_size=4, preemption_mode="swap")):
+        gpu = LLM(str(model), device="cuda", dtype="float32", swap_space=0.01, **{**kwargs, **extra})
+        assert_same_greedy_tokens(gpu.generate(prompts, params, use_tqdm=False), cpu, {**kwargs, **extra})

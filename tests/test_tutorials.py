@@ -209,3 +209,5 @@ def test_t15_compressed_kv_cache():
     assert "bytes and scales identical" in out
     assert "perplexity" in out and "Done: one byte a value" in out
     assert "budget 64 tokens = 4 blocks a head" in out and "'#': read" in out
+    assert "on a GPU: int8 1.88x the float16 blocks" in out and "on a GPU: fp8 2.00x the float16 blocks" in out
+    assert "paged_decode_f32 over int8 blocks" in out

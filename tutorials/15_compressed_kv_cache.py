@@ -13,7 +13,8 @@ float32 scale per token and KV head, kept with the block), ``fp8`` = ``fp8_e4m3`
 5. time a decode step's attention over float32 and over int8 blocks;
 6. read fewer blocks instead of smaller ones: block-sparse decode attention (Quest) keeps each
    block's key min / max, and a decoding head attends only to the blocks whose keys could
-   score highest; we draw the blocks one query chose on its page table.
+   score highest; we draw the blocks one query chose on its page table;
+7. run the GPU's CUDA C kernel over the same int8 bytes (on the CPU harness, as CI does).
 
 The OS analogy: compressed memory (Linux's zswap, macOS's memory compressor). When RAM is
 short, an OS can compress pages in place rather than evict them: more of the working set
@@ -84,6 +85,15 @@ per_token_head = {"auto": 4 * c.head_dim, "int8": c.head_dim + 4, "fp8": c.head_
 for dtype, engine in engines.items():
     assert engine.cache.bytes_per_block == 2 * c.num_hidden_layers * c.num_key_value_heads * 16 * per_token_head[dtype]
 print(f"  int8 pays 4 bytes of scale per {c.head_dim} one-byte values: {4 * c.head_dim / (c.head_dim + 4):.2f}x, not 4x")
+# On a GPU the blocks are float16 (2 bytes a value), so the same bytes buy half the gain;
+# block_bytes is what the GPU's pool sizing (profile_gpu_num_blocks) divides its memory by.
+from minipaged.config import CacheConfig  # noqa: E402
+from minipaged.engine.cache_engine import block_bytes  # noqa: E402
+
+half = block_bytes(c, CacheConfig(), np.float16)
+for dtype in ("int8", "fp8"):
+    print(f"  on a GPU: {dtype} {half / block_bytes(c, CacheConfig(kv_cache_dtype=dtype), np.float16):.2f}x "
+          f"the float16 blocks")
 
 print("\n3. A prefill lands as bytes and scales; a swap carries the scales")
 engine = engines["int8"]
@@ -198,8 +208,23 @@ print("  whose keys' [min, max] box could give this head's query the highest sco
 while sparse.has_unfinished_requests():
     sparse.step()
 
+print("\n7. The GPU's kernels read the same bytes (CUDA C, run here on the CPU harness)")
+# kernels/paged_attention.cu widens int8 / fp8 bytes in registers with cuda_fp8.h; CI runs the
+# very same source on the CPU (kernels/cuda_harness.py: one OS thread per CUDA thread), through
+# the host code a GPU uses. Four of the sequences above, against the Numba kernel's answer.
+from minipaged.kernels.cuda import cpu_harness_ops  # noqa: E402
+
+few = AttentionMetadata(meta.slot_mapping[:4], meta.query_start_loc[:5], meta.seq_lens[:4], meta.block_tables[:4], 1,
+                        context)
+gpu_kernels = cpu_harness_ops()
+on_harness = gpu_kernels.paged_attention(q[:4], k8, v8, few, 0.125, quant)
+numba = cpu.paged_attention(q[:4], k8, v8, few, 0.125, quant)
+print(f"  paged_decode_f32 over int8 blocks, 4 sequences x {context} tokens: largest difference from the "
+      f"Numba kernel {np.abs(on_harness - numba).max():.1e}")
+assert np.allclose(on_harness, numba, atol=3e-5, rtol=1e-4)
+
 print("""
-Done: one byte a value, about 4x the blocks; int8 costs almost no perplexity, fp8 a little more;
+Done: one byte a value, about 4x the blocks (2x on a GPU's float16); int8 costs almost no perplexity, fp8 a little more;
 and sparse attention reads a budget of blocks per head instead of all of them.
 Exercises:
   1. Give fp8 a layer scale of 1/32 (engine.cache.kv_scales[:] = 1/32 before any request) and

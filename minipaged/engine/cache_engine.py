@@ -33,11 +33,7 @@ class CacheEngine:
         self.kv_format = kv_format(cache_config.kv_cache_dtype)
         storage = dtype if self.kv_format == KV_FLOAT else STORAGE_DTYPE[self.kv_format]
         self.storage_dtype = np.dtype(storage)
-        self.bytes_per_block = kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads,
-                                                  cache_config.block_size, c.head_dim,
-                                                  self.storage_dtype.itemsize,
-                                                  scale_bytes_per_token_head(self.kv_format),
-                                                  key_bounds=cache_config.sparse_attention_budget is not None)
+        self.bytes_per_block = block_bytes(model_config, cache_config, dtype)
         if cache_config.num_blocks is not None:
             self.num_blocks = cache_config.num_blocks
         elif gpu_num_blocks is not None:      # measured by profile_gpu_num_blocks
@@ -63,15 +59,16 @@ class CacheEngine:
             self.kv_cache = xp.zeros(shape(self.num_blocks), dtype=storage)   # the device pool
             # the swap space is host memory whatever the device; on a GPU it is pinned and
             # mapped, so the block-copy kernel reads and writes it directly over PCIe
-            self.cpu_cache = (np.zeros(shape(self.num_cpu_blocks), dtype=storage)
-                              if xp is np or self.num_cpu_blocks == 0
-                              else _pinned(shape(self.num_cpu_blocks), storage))
+            def host(shape_, dtype_):   # the swap space's arrays: pinned and mapped on a GPU
+                return np.zeros(shape_, dtype_) if xp is np or self.num_cpu_blocks == 0 else _pinned(shape_, dtype_)
+
+            self.cpu_cache = host(shape(self.num_cpu_blocks), storage)
             # int8: a scale per (token, head) in every block, swapped with it; fp8: per layer,
             # 1.0 as vLLM's default (K and V of every layer)
             self.kv_scales = self.cpu_scales = None
             if self.kv_format == KV_INT8:
                 self.kv_scales = xp.zeros(scales_shape(self.num_blocks), dtype=np.float32)
-                self.cpu_scales = np.zeros(scales_shape(self.num_cpu_blocks), dtype=np.float32)
+                self.cpu_scales = host(scales_shape(self.num_cpu_blocks), np.float32)
             elif self.kv_format != KV_FLOAT:
                 self.kv_scales = xp.ones(scales_shape(0), dtype=np.float32)
             # block-sparse attention: each block's key [min | max] per layer, moved with the block
@@ -81,8 +78,8 @@ class CacheEngine:
             if self.sparse_keep:
                 self.key_bounds = xp.zeros(key_bounds_shape(c.num_hidden_layers, self.num_blocks,
                                                             c.num_key_value_heads, c.head_dim), dtype=np.float32)
-                self.cpu_bounds = np.zeros(key_bounds_shape(c.num_hidden_layers, self.num_cpu_blocks,
-                                                            c.num_key_value_heads, c.head_dim), dtype=np.float32)
+                self.cpu_bounds = host(key_bounds_shape(c.num_hidden_layers, self.num_cpu_blocks,
+                                                        c.num_key_value_heads, c.head_dim), np.float32)
             # fp8 with calculate_kv_scales: the first step sets the layer scales (vLLM's rule)
             self.scales_pending = cache_config.calculate_kv_scales and self.kv_format not in (KV_FLOAT, KV_INT8)
         except MemoryError:
@@ -143,6 +140,17 @@ class CacheEngine:
             self.ops.copy_blocks(device, mapping)
 
 
+def block_bytes(model_config, cache_config: CacheConfig, dtype) -> int:
+    """Bytes one physical block takes in the pool: its K/V in the storage type, and whatever it
+    carries beside them (int8's scales, block-sparse attention's key bounds)."""
+    fmt = kv_format(cache_config.kv_cache_dtype)
+    storage = np.dtype(dtype if fmt == KV_FLOAT else STORAGE_DTYPE[fmt])
+    return kv_bytes_per_block(model_config.num_hidden_layers, model_config.num_key_value_heads,
+                              cache_config.block_size, model_config.head_dim, storage.itemsize,
+                              scale_bytes_per_token_head(fmt),
+                              key_bounds=cache_config.sparse_attention_budget is not None)
+
+
 def _pinned(shape, dtype):
     from numba import cuda  # noqa: PLC0415 (GPU only)
 
@@ -180,8 +188,7 @@ def profile_gpu_num_blocks(model, model_config, cache_config: CacheConfig, max_n
     c = model_config
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()          # cached blocks of dropped arrays are not ours to count
-    bytes_per_block = kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, cache_config.block_size,
-                                         c.head_dim, np.dtype(dtype).itemsize)
+    bytes_per_block = block_bytes(c, cache_config, dtype)   # scales and key bounds counted
     lengths = []                                           # sequences filling the token budget
     left = max_num_batched_tokens
     while left > 0:

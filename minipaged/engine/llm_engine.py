@@ -97,12 +97,6 @@ class LLMEngine:
         self.max_model_len = self.scheduler_config.max_model_len
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.backend = select_backend(self.config.device, self.config.dtype)
-        if self.backend.device == "cuda" and sparse_attention_budget is not None:
-            raise ConfigError("sparse_attention_budget runs on the CPU only so far (the CUDA kernel is not "
-                              "written yet); use device='cpu' or leave it unset")
-        if self.backend.device == "cuda" and kv_cache_dtype != "auto":
-            raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} runs on the CPU only so far (the CUDA kernels "
-                              "for int8 / fp8 blocks are not written yet); use device='cpu' or kv_cache_dtype='auto'")
         self.model = LlamaModel(self.model_config, load_checkpoint(model_dir), self.backend.ops,
                                 self.backend.dtype, max_positions=self.max_model_len)
         gpu_blocks = None

@@ -64,14 +64,14 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
                    help="what the contiguous baseline reserves: max_model_len slots, or prompt + max_tokens")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="how KV blocks are stored: auto (the model's dtype), int8 (a scale per token and "
-                        "head), fp8 = fp8_e4m3 or fp8_e5m2 (a scale per layer); one byte a value (CPU only so far)")
+                        "head), fp8 = fp8_e4m3 or fp8_e5m2 (a scale per layer); one byte a value")
     g.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=False,
                    help="fp8 KV cache: per-layer K and V scales from the first step's values "
                         "(max / 200 and max / 100, as vLLM) instead of 1.0")
     g.add_argument("--sparse-attention-budget", type=int, default=None, metavar="TOKENS",
                    help="block-sparse decode attention (Quest): each head attends to the blocks, within "
                         "this many tokens, whose keys could score highest (the first and last always); "
-                        "prefill stays dense. Default: dense (CPU only so far)")
+                        "prefill stays dense. Default: dense")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="GPU: share of the device's memory for weights, activations and the KV cache")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")

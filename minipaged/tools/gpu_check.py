@@ -8,7 +8,8 @@ swapping uses. Then:
   2. every kernel against its NumPy spec on large random inputs;
   3. each kernel's time (CUDA events, median of many runs) and the bandwidth it reaches,
      as a share of the copy bandwidth (decode attention's goal: at least 60% at batch 64,
-     context 2048, fp16 KV);
+     context 2048, fp16 KV), over float16, int8 and fp8 blocks, and block-sparse decode
+     against dense on an 8K context;
   4. the throughput benchmark end to end, minipaged against Hugging Face transformers (fp16),
      on a random model with SmolLM2-135M's shapes (the real weights cannot be fetched there),
      and greedy tokens of the GPU path against the CPU float32 path.
@@ -106,34 +107,86 @@ def paged_batch(rng, dev: Device, *, num_seqs, q_len, ctx, heads, kv_heads, head
 
 
 def attention_case(dev: Device, rng, name: str, shape: dict, check: bool) -> dict:
+    """One attention kernel checked against its spec and timed. ``shape`` may add ``fmt`` (a
+    kv_quant format: the cache is compressed first, by the spec) and ``budget`` (block-sparse
+    decode over the cache's key bounds, this many tokens a head)."""
+    from ..kernels import kv_quant
+    from ..kernels.layout import BlockBounds, KVQuant
+
+    shape = dict(shape)
+    fmt, budget = shape.pop("fmt", kv_quant.KV_FLOAT), shape.pop("budget", None)
     (q, k, v, meta), (dq, dk, dv, dmeta) = paged_batch(rng, dev, **shape)
+    xp = dev.xp
+    quant = bounds = None
+    kd, vd = k.astype(np.float32), v.astype(np.float32)     # what the spec reads
+    itemsize, scale_bytes = np.dtype(shape["dtype"]).itemsize, 0
+    if fmt != kv_quant.KV_FLOAT:
+        storage = kv_quant.STORAGE_DTYPE[fmt]
+        per_token = fmt == kv_quant.KV_INT8
+        scales = [np.zeros(k.shape[:3], np.float32) if per_token else np.full((1, 1, 1), 0.03, np.float32)
+                  for _ in range(2)]
+        host = KVQuant(fmt, *scales)
+        kc, vc = np.zeros(k.shape, storage), np.zeros(v.shape, storage)
+        rows = lambda c: c.transpose(0, 2, 1, 3).reshape(-1, c.shape[1], c.shape[3]).astype(np.float32)  # noqa: E731
+        spec.write_kv(kc, vc, rows(k), rows(v), np.arange(k.shape[0] * k.shape[2], dtype=np.int64), host)
+        kd, vd = spec.dequantize_kv(kc, fmt, host.k_scale), spec.dequantize_kv(vc, fmt, host.v_scale)
+        dk, dv = xp.asarray(kc), xp.asarray(vc)
+        quant = KVQuant(fmt, xp.asarray(host.k_scale), xp.asarray(host.v_scale))
+        itemsize, scale_bytes = 1, 4 if per_token else 0
+    if budget is not None:
+        key_min, key_max = spec.key_bounds(kd)
+        bounds = BlockBounds(xp.asarray(key_min), xp.asarray(key_max), budget // shape["block_size"])
     plan = dev.ops.plan_attention(dmeta)
-    out = dev.ops.paged_attention(dq, dk, dv, plan, 0.125)
+    run = lambda: dev.ops.paged_attention(dq, dk, dv, plan, 0.125, quant, bounds)   # noqa: E731
+    out = run()
     row = {"kernel": name, **{k_: v_ for k_, v_ in shape.items() if k_ != "dtype"},
-           "dtype": np.dtype(shape["dtype"]).name, "partitions": plan.num_partitions}
+           "dtype": np.dtype(shape["dtype"]).name, "kv_cache_dtype": {v_: k_ for k_, v_ in
+                                                                    kv_quant.KV_CACHE_DTYPES.items()}[fmt],
+           "partitions": plan.num_partitions}
+    if budget is not None:
+        row["sparse_budget"] = budget
     if check:
-        want = spec.paged_attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
-                                    meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125)
+        if budget is None:
+            want = spec.paged_attention(q.astype(np.float32), kd, vd, meta.block_tables, meta.seq_lens,
+                                        meta.query_start_loc, 0.125)
+        else:
+            want = spec.sparse_decode_attention(q.astype(np.float32), kd, vd, key_min, key_max, meta.block_tables,
+                                                meta.seq_lens, 0.125, budget)
         row["max_abs_error"] = float(np.abs(dev.asnumpy(out).astype(np.float32) - want).max())
-    seconds = dev.time(lambda: dev.ops.paged_attention(dq, dk, dv, plan, 0.125), repeats=3 if dev.smoke else 50)
-    kv_bytes = 2 * shape["num_seqs"] * shape["ctx"] * shape["kv_heads"] * shape["head_dim"] * np.dtype(shape["dtype"]).itemsize
+    seconds = dev.time(run, repeats=3 if dev.smoke else 50)
+    tokens_read = min(shape["ctx"], budget) if budget is not None else shape["ctx"]   # per sequence and head
+    kv_bytes = 2 * shape["num_seqs"] * tokens_read * shape["kv_heads"] * (shape["head_dim"] * itemsize + scale_bytes)
     row.update(seconds=seconds, kv_gb_per_s=kv_bytes / seconds / 1e9)
     return row
 
 
 def kernel_report(dev: Device, smoke: bool) -> list[dict]:
+    from ..kernels.kv_quant import KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8
+
     rng = np.random.default_rng(0)
     big = not smoke
     f16 = np.float16
+    decode = dict(num_seqs=64 if big else 2, q_len=1, ctx=2048 if big else 40, heads=9 if big else 3,
+                  kv_heads=3 if big else 1, head_dim=64, block_size=16, dtype=f16)
+    long = dict(num_seqs=4 if big else 1, q_len=1, ctx=8192 if big else 300, heads=9 if big else 2,
+                kv_heads=3 if big else 1, head_dim=64, block_size=16, dtype=f16)
     cases = [
-        ("decode (batch 64, ctx 2048)", dict(num_seqs=64 if big else 2, q_len=1, ctx=2048 if big else 40, heads=9 if big else 3,
-                                             kv_heads=3 if big else 1, head_dim=64, block_size=16, dtype=f16), True),
+        ("decode (batch 64, ctx 2048)", decode, True),
         ("decode split-K (batch 4, ctx 16384)", dict(num_seqs=4 if big else 1, q_len=1, ctx=16384 if big else 1200, heads=9 if big else 2,
                                                      kv_heads=3 if big else 1, head_dim=64, block_size=16, dtype=f16), True),
-        ("decode fp32 (batch 64, ctx 2048)", dict(num_seqs=64 if big else 2, q_len=1, ctx=2048 if big else 40, heads=9 if big else 3,
-                                                  kv_heads=3 if big else 1, head_dim=64, block_size=16, dtype=np.float32), True),
+        ("decode fp32 (batch 64, ctx 2048)", {**decode, "dtype": np.float32}, True),
         ("prefill (8 x 512 tokens)", dict(num_seqs=8 if big else 1, q_len=512 if big else 20, ctx=512 if big else 20, heads=9 if big else 3,
                                           kv_heads=3 if big else 1, head_dim=64, block_size=16, dtype=f16), True),
+        # the compressed KV cache: the same decode over 1-byte blocks (bytes read counted as stored)
+        ("decode int8 KV (batch 64, ctx 2048)", {**decode, "fmt": KV_INT8}, True),
+        ("decode fp8 e4m3 KV (batch 64, ctx 2048)", {**decode, "fmt": KV_FP8_E4M3}, True),
+        ("decode fp8 e5m2 KV (batch 64, ctx 2048)", {**decode, "fmt": KV_FP8_E5M2}, True),
+        ("prefill int8 KV (8 x 512 tokens)", dict(num_seqs=8 if big else 1, q_len=512 if big else 20, ctx=512 if big else 20,
+                                                  heads=9 if big else 3, kv_heads=3 if big else 1, head_dim=64,
+                                                  block_size=16, dtype=f16, fmt=KV_INT8), True),
+        # block-sparse decode against dense on the same long context (bytes read: the budget's)
+        ("decode dense (batch 4, ctx 8192)", long, True),
+        ("decode sparse, budget 1024 (batch 4, ctx 8192)", {**long, "budget": 1024 if big else 64}, True),
     ]
     return [attention_case(dev, rng, name, shape, check) for name, shape, check in cases]
 
