@@ -11,10 +11,13 @@
 //   A float cache is a plain copy, thread by thread. An int8 cache needs each head's max |x|
 //   first: warp w takes heads w, w + 4, ..., reduces the max across its lanes, and writes the
 //   codes and the scale.
-// update_key_bounds_*: grid = (ceil(num_kv_heads * head_dim / 128),), block = (128,). Thread i
-//   owns element i of a key row and walks the tokens in order, widening its block's [min, max];
-//   a block's first slot starts them afresh, as in kernels/cpu.py. In order, because a prefill
-//   writes many tokens of one block in a single call.
+// update_key_bounds_*: grid = (num_tokens, ceil(num_kv_heads * head_dim / 128)), block = (128,).
+//   The tokens written to one block in one call are a run of consecutive slots (a block belongs
+//   to one sequence, whose new tokens are consecutive positions). The run's first token leads
+//   it: thread i of its block walks the run (at most block_size tokens) for element i of the
+//   key row, widening the block's [min, max] in registers and storing them once; a run that
+//   starts at a block's first slot starts them afresh, as in kernels/cpu.py. Other tokens'
+//   thread blocks return at once, so no two threads ever write the same bounds.
 #include "common.cuh"
 
 template <typename T, typename C, int FMT>
@@ -109,17 +112,23 @@ __device__ void update_key_bounds(const T* __restrict__ k, const long long* __re
                                   float* __restrict__ key_min, float* __restrict__ key_max, int num_tokens,
                                   int num_kv_heads, int head_dim, int block_size) {
     const int row = num_kv_heads * head_dim;
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;   // (head, d) of this thread
-    if (i >= row) return;
-    for (int t = 0; t < num_tokens; ++t) {
-        const long long slot = slot_mapping[t];
-        if (slot < 0) continue;
-        const long long at = (slot / block_size) * row + i;  // key_min[block, head, d]
+    const int t0 = blockIdx.x;
+    const int i = blockIdx.y * blockDim.x + threadIdx.x;   // (head, d) of this thread
+    const long long slot = slot_mapping[t0];
+    if (i >= row || slot < 0) return;
+    const bool leads = slot % block_size == 0 || t0 == 0 || slot_mapping[t0 - 1] != slot - 1;
+    if (!leads) return;                                    // inside a run another block walks
+    const long long at = (slot / block_size) * row + i;    // key_min[block, head, d]
+    float lo = slot % block_size == 0 ? INFINITY : key_min[at];
+    float hi = slot % block_size == 0 ? -INFINITY : key_max[at];
+    for (int t = t0; t < num_tokens && slot_mapping[t] == slot + (t - t0)
+                     && (t == t0 || slot_mapping[t] % block_size != 0); ++t) {
         const float x = to_float(k[(long long)t * row + i]);
-        const bool first = slot % block_size == 0;
-        key_min[at] = first ? x : fminf(key_min[at], x);
-        key_max[at] = first ? x : fmaxf(key_max[at], x);
+        lo = fminf(lo, x);
+        hi = fmaxf(hi, x);
     }
+    key_min[at] = lo;
+    key_max[at] = hi;
 }
 
 extern "C" __global__ void update_key_bounds_f32(const float* __restrict__ k, const long long* __restrict__ slot_mapping,

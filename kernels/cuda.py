@@ -76,7 +76,7 @@ class CudaOps:
         block_size = k_cache.shape[2]
         if bounds is not None:
             row = num_kv_heads * head_dim
-            self._launch("update_key_bounds", dtype, (-(-row // 128),), (128,), [
+            self._launch("update_key_bounds", dtype, (num_tokens, -(-row // 128)), (128,), [
                 k, slots, bounds.key_min, bounds.key_max, np.int32(num_tokens), np.int32(num_kv_heads),
                 np.int32(head_dim), np.int32(block_size)])
         fmt, k_scale, v_scale = self._scales(quant)
@@ -262,7 +262,8 @@ def gpu_ops() -> CudaOps:
 
 
 def cuda_include_dirs(major: int | None = None) -> list[str]:
-    """Where cuda_fp16.h and the vector types it includes may be (CuPy no longer bundles them).
+    """Where cuda_fp16.h, cuda_fp8.h and the vector types they include may be (CuPy no longer
+    bundles them).
 
     A toolkit first ($CUDA_PATH, $CUDA_HOME, /usr/local/cuda), then the pip wheels'
     headers: CUDA 12's runtime wheel (``nvidia/cuda_runtime/include``) and CUDA 13's
@@ -283,7 +284,7 @@ def cuda_include_dirs(major: int | None = None) -> list[str]:
     except ImportError:
         pass
     found = []
-    for d in dirs:
-        if os.path.exists(os.path.join(d, "cuda_fp16.h")) and d not in found:
+    for d in dirs:   # both headers the kernels include (cuda_fp8.h since CUDA 11.8)
+        if all(os.path.exists(os.path.join(d, h)) for h in ("cuda_fp16.h", "cuda_fp8.h")) and d not in found:
             found.append(d)
     return found

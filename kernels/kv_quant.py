@@ -122,7 +122,9 @@ def fp8_to_float(byte, fmt):
 def float_to_fp8(x, fmt):
     """Narrow a float32 to an fp8 byte: round to nearest even, saturate at the largest value."""
     man_bits, bias, max_code, max_value, step = _fp8_layout(fmt)
-    sign = np.int32(0x80) if x < 0 else np.int32(0)
+    sign = (_bits_from_float(np.float32(x)) >> 24) & 0x80     # the sign bit: -0.0 stays negative
+    if x != x:                                                 # NaN: 0x7F in both formats
+        return np.uint8(sign | 0x7F)
     a = np.float32(min(abs(x), max_value))
     if a < step * np.float32(1 << man_bits):       # below the smallest normal: a subnormal code
         return np.uint8(sign | np.int32(np.rint(a / step)))

@@ -18,7 +18,9 @@
 //                    could score, sum_d max(q_d * min_d, q_d * max_d) (warp per block), then marks
 //                    the first, the last and the keep - 2 best of the others in `chosen`
 //                    (S, heads, max_blocks): a block's rank is the number of blocks that beat it
-//                    (a higher bound, or an equal one earlier), one thread per block.
+//                    (a higher bound, or an equal one earlier), one thread per block: O(n^2)
+//                    comparisons per head, over bounds held in shared memory up to 4096 blocks
+//                    (64K tokens at block size 16; beyond, in the global scratch).
 //                    The decode and prefill kernels then skip the blocks not marked.
 // Compressed caches (kv_format int8 / fp8, common.cuh): the kernels read one byte per value
 // and widen it in registers (decode) or as it is staged in shared memory (prefill); int8's
@@ -31,6 +33,7 @@
 #define QUERY_TILE 16                              // queries per prefill thread block
 #define QUERIES_PER_WARP (QUERY_TILE / NUM_WARPS)
 #define KV_SUBTILE 16                              // KV positions staged in shared memory at once
+#define SELECT_SHARED_BLOCKS 4096                  // block bounds ranked in shared memory (16 KiB)
 
 // ------------------------------------------------------------------------------ decode
 
@@ -209,6 +212,7 @@ __device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, cons
         const int count = min(KV_SUBTILE, last_pos + 1 - sub);
         for (int i = threadIdx.x; i < count * head_dim; i += blockDim.x) {
             const int pos = sub + i / head_dim, d = i % head_dim;
+            if (skip_blocks && !keep[pos / block_size]) continue;   // never read: not staged
             const long long token = ((long long)table[pos / block_size] * num_kv_heads + kv_head) * block_size
                                     + pos % block_size;
             s_k[i / head_dim][d] = widen<FMT>(k_cache[token * head_dim + d]) * token_scale<FMT>(k_scale, token);
@@ -279,7 +283,9 @@ __device__ void paged_select_blocks(unsigned char* __restrict__ chosen, float* _
     const T* q_row = q + ((long long)query_start_loc[seq] * num_heads + head) * head_dim;
     const int* table = block_tables + (long long)seq * max_blocks;
     const long long row = (long long)seq * num_heads + head;
-    float* score = bound + row * max_blocks;
+    // the bounds, in shared memory when they fit (every thread reads all of them below)
+    __shared__ float s_score[SELECT_SHARED_BLOCKS];
+    float* score = n <= SELECT_SHARED_BLOCKS ? s_score : bound + row * max_blocks;
     unsigned char* mark = chosen + row * max_blocks;
     for (int j = warp; j < n; j += num_warps) {                          // a warp per block
         const float* lo = key_min + ((long long)table[j] * num_kv_heads + kv_head) * head_dim;

@@ -31,9 +31,10 @@ def test_fp8_conversions_match_ml_dtypes(fmt):
     x = np.concatenate([rng.standard_normal(20_000) * s for s in (1e-5, 1e-3, 0.1, 1, 50, 1e4, 1e6)]
                        + [exact, (exact[:-1] + exact[1:]) / 2, [0.0, -0.0]]).astype(np.float32)
     largest = float(np.finfo(dtype).max)
-    want = np.clip(x, -largest, largest).astype(dtype).astype(np.float32)
-    got = kv_quant.fp8_table(fmt)[kv_quant.to_fp8(x, fmt)]
-    np.testing.assert_array_equal(got, want)
+    want = np.clip(x, -largest, largest).astype(dtype)
+    np.testing.assert_array_equal(kv_quant.to_fp8(x, fmt), want.view(np.uint8))   # the bytes: -0.0 is 0x80
+    np.testing.assert_array_equal(kv_quant.fp8_table(fmt)[kv_quant.to_fp8(x, fmt)], want.astype(np.float32))
+    assert kv_quant.to_fp8(np.array([np.nan, -np.nan]), fmt).tolist() == [0x7F, 0xFF]   # NaN stays NaN
 
 
 def quant_pool(rng, fmt, num_blocks, num_kv_heads, block_size, head_dim):
