@@ -136,3 +136,66 @@ class EngineConfig:
                  f"max_logprobs must be an integer >= 0, or -1 for no cap, got {self.max_logprobs!r}")
         object.__setattr__(self, "seed", int(self.seed))
         object.__setattr__(self, "max_logprobs", int(self.max_logprobs))
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+                     "adaptive")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``): draft tokens cheaply, verify them all
+    in one pass of the model, keep the longest prefix the model agrees with.
+
+    ``ngram`` (prompt lookup) drafts the tokens that followed the last earlier occurrence of the
+    sequence's final n-gram (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``);
+    ``draft_model`` drafts with a second, smaller Llama (``model``) sharing the tokenizer.
+    ``adaptive``: each request's draft length follows its running acceptance rate, down to none
+    (engine/spec_decode.py); False keeps it at ``num_speculative_tokens``.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS,
+                 f"speculative_config method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        _require(_is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
+                 f"speculative_config num_speculative_tokens must be an integer in [1, 16], "
+                 f"got {self.num_speculative_tokens!r}")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value >= 1, f"speculative_config {name} must be an integer >= 1, got {value!r}")
+        _require(self.prompt_lookup_min <= self.prompt_lookup_max,
+                 f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                 f"prompt_lookup_max ({self.prompt_lookup_max})")
+        _require(isinstance(self.adaptive, bool), f"speculative_config adaptive must be true or false, "
+                                                  f"got {self.adaptive!r}")
+        if self.method == "draft_model":
+            _require(isinstance(self.model, str) and self.model != "",
+                     "speculative_config method 'draft_model' needs a model (a name or a Llama directory)")
+        else:
+            _require(self.model is None, f"speculative_config model is only for method 'draft_model', "
+                                         f"got model={self.model!r} with method {self.method!r}")
+
+    @classmethod
+    def from_value(cls, value) -> "SpeculativeConfig | None":
+        """None, a SpeculativeConfig, a dict with vLLM's keys, or that dict as a JSON string."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json  # noqa: PLC0415
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"speculative_config is not valid JSON: {err}") from None
+        _require(isinstance(value, dict), f"speculative_config must be a dict (or its JSON), got {value!r}")
+        unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+        _require(not unknown, f"speculative_config has unknown keys {unknown}; known: {list(_SPECULATIVE_KEYS)}")
+        return cls(**value)

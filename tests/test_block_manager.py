@@ -1,7 +1,8 @@
 """Property tests of the memory manager: BlockAllocator, BlockTable, BlockManager.
 
 A hypothesis state machine plays processes arriving (allocate), growing one
-token at a time (append_slots) and exiting (free) in random orders, and checks
+token at a time (append_slots), speculating (slots for draft tokens, then a
+rollback past the rejected ones) and exiting (free) in random orders, and checks
 the block manager's invariants (docs/architecture.md) after every operation.
 """
 
@@ -60,6 +61,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
         else:
             assert self.manager.num_free_blocks == 0
             seq.output_token_ids.pop()       # the step could not run; nothing changed
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), k=st.integers(1, 8))
+    def speculate(self, data, k):
+        """A decode with k draft tokens: slots for the newest token and the k drafts, then a
+        verdict keeps some of the drafts and the table rolls back to the tokens that stood."""
+        seq = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        m = self.manager
+        seq.output_token_ids.append(7)       # the newest token
+        if not m.can_append_slots([seq], k):
+            seq.output_token_ids.pop()       # no room to speculate this step: nothing changed
+            return
+        used = m.num_used_blocks
+        m.append_slots(seq, k)
+        assert m.tables[seq.seq_id].num_tokens == seq.num_tokens + k
+        assert m.num_used_blocks - used == blocks_for(seq.num_tokens + k, m.block_size) - blocks_for(
+            seq.num_tokens - 1, m.block_size)
+        stood = data.draw(st.integers(0, k))
+        seq.output_token_ids += [8] * stood  # the drafts that stood join the sequence
+        mapped = m.num_used_blocks
+        m.rollback(seq, seq.num_tokens)      # the rejected ones' slots are unmapped at once
+        assert mapped - m.num_used_blocks == (blocks_for(seq.num_tokens + k - stood, m.block_size)
+                                              - blocks_for(seq.num_tokens, m.block_size))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

@@ -123,6 +123,11 @@ def test_chat_with_smollm2_answers():
      "prefix caching needs the paged allocator"),
     (["generate", "hi", "--seed", "-3"], "seed must be a non-negative integer"),
     (["generate", "hi", "--log-stats-interval", "-1"], "log_stats_interval must be a number of seconds"),
+    (["generate", "hi", "--speculative-config", "{ngram"], "speculative_config is not valid JSON"),
+    (["generate", "hi", "--speculative-config", '{"method": "ngram", "k": 3}'], "unknown keys ['k']"),
+    (["generate", "hi", "--speculative-config", '{"method": "ngram"}', "--num-scheduler-steps", "4"],
+     "do not combine"),
+    (["bench", "spec-decode", "--batch-sizes", "4"], "--batch-sizes does not apply to the spec-decode workload"),
 ])
 def test_flags_that_cannot_work_are_refused_before_loading(tiny_model_dir, args, message):
     result = run_cli(*args, "--model", str(tiny_model_dir), "--device", "cpu")

@@ -194,3 +194,66 @@ def test_gpu_engine_with_compressed_or_sparse_blocks_matches_the_cpu_engine(tmp_
     for extra in (dict(num_blocks=256), dict(num_blocks=24, block_size=4, preemption_mode="swap")):
         gpu = LLM(str(model), device="cuda", dtype="float32", swap_space=0.01, **{**kwargs, **extra})
         assert_same_greedy_tokens(gpu.generate(prompts, params, use_tqdm=False), cpu, {**kwargs, **extra})
+
+
+@pytest.mark.parametrize("fmt", [None, 1, 2])   # float16, int8, fp8 e4m3 blocks
+def test_gpu_sparse_decode_in_a_mixed_batch_matches_the_spec(fmt):
+    """Decodes next to a prompt (the prefill kernel skips the unchosen blocks), half-precision
+    activations, compressed blocks, key bounds written by the device's write_kv."""
+    import cupy
+
+    from minipaged.kernels.cuda import gpu_ops
+    from minipaged.kernels.layout import BlockBounds, KVQuant
+
+    ops = gpu_ops()
+    rng = np.random.default_rng(11)
+    q, k, v, meta = random_batch(rng, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64,
+                                 seqs=[(1, 2000), (1, 700), (33, 33)], dtype=np.float16)
+    if fmt is None:
+        kd, vd, dk, dv, quant = k.astype(np.float32), v.astype(np.float32), cupy.asarray(k), cupy.asarray(v), None
+    else:
+        kc, vc, host, kd, vd = compressed_pool(rng, fmt, k, v)
+        dk, dv = cupy.asarray(kc), cupy.asarray(vc)
+        quant = KVQuant(fmt, cupy.asarray(host.k_scale), cupy.asarray(host.v_scale))
+    # the bounds through the device's own kernel: every slot written once, in order
+    key_min = cupy.zeros((k.shape[0], 3, 64), np.float32)
+    key_max = cupy.zeros_like(key_min)
+    rows = lambda c: c.transpose(0, 2, 1, 3).reshape(-1, c.shape[1], c.shape[3])  # noqa: E731
+    scratch_k, scratch_v = cupy.zeros(k.shape, np.float16), cupy.zeros(v.shape, np.float16)
+    ops.write_kv(scratch_k, scratch_v, cupy.asarray(rows(kd).astype(np.float16)), cupy.asarray(rows(vd).astype(np.float16)),
+                 cupy.arange(k.shape[0] * 16, dtype=cupy.int64), None, BlockBounds(key_min, key_max, 0))
+    want_min, want_max = spec.key_bounds(rows(kd).astype(np.float16).astype(np.float32).reshape(k.shape[0], 16, 3, 64)
+                                         .transpose(0, 2, 1, 3))
+    np.testing.assert_array_equal(cupy.asnumpy(key_min), want_min)
+    np.testing.assert_array_equal(cupy.asnumpy(key_max), want_max)
+    device_meta = AttentionMetadata(*(cupy.asarray(a) for a in (meta.slot_mapping, meta.query_start_loc,
+                                                                 meta.seq_lens, meta.block_tables)),
+                                    meta.max_query_len, meta.max_seq_len)
+    got = cupy.asnumpy(ops.paged_attention(cupy.asarray(q), dk, dv, device_meta, 0.125, quant,
+                                           BlockBounds(key_min, key_max, 16))).astype(np.float32)
+    want = spec.sparse_decode_attention(q[:2].astype(np.float32), kd, vd, want_min, want_max, meta.block_tables[:2],
+                                        meta.seq_lens[:2], 0.125, 256)
+    np.testing.assert_allclose(got[:2], want, atol=3e-3)
+    dense = spec.paged_attention(q.astype(np.float32), kd, vd, meta.block_tables, meta.seq_lens,
+                                 meta.query_start_loc, 0.125)
+    np.testing.assert_allclose(got[2:], dense[2:], atol=3e-3)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_gpu_engine_with_speculative_decoding_matches_the_cpu_engine(tmp_path, method):
+    """Drafts verified in one pass on the device (a k + 1 row query through the prefill kernel),
+    rolled back through the block table: the CPU engine's greedy tokens, up to near-ties."""
+    from minipaged import LLM, SamplingParams
+    from minipaged.model.random_llama import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny", head_dim=64)
+    config = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if method == "draft_model":
+        config["model"] = str(model)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 3}, {"prompt_token_ids": list(range(3, 40))}]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    cpu = LLM(str(model), device="cpu", swap_space=0.01).generate(prompts, params, use_tqdm=False)
+    for extra in (dict(num_blocks=256), dict(num_blocks=24, block_size=4, preemption_mode="swap")):
+        gpu = LLM(str(model), device="cuda", dtype="float32", swap_space=0.01, speculative_config=config, **extra)
+        assert_same_greedy_tokens(gpu.generate(prompts, params, use_tqdm=False), cpu, {**config, **extra})
+        assert gpu.llm_engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0

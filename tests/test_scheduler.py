@@ -21,25 +21,47 @@ from minipaged.scheduler.scheduler import AUTO_RECOMPUTE_MAX_TOKENS, Scheduler, 
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
-def fake_step(scheduler: Scheduler, max_model_len: int):
-    """What the engine does around the model: advance computed tokens, append, finish, free."""
+def fake_step(scheduler: Scheduler, max_model_len: int, draft=None, verdict=None):
+    """What the engine does around the model: advance computed tokens, append, finish, free.
+
+    With ``draft(seq)`` (the draft length a decoding sequence asks for) and ``verdict(k)`` (how
+    many of k drafts stand), decodes speculate as the engine's do: draft tokens before the
+    schedule, then the tokens that stood and one more appended, and the table rolled back."""
+    manager = scheduler.block_manager
+    if draft is not None:
+        for group in scheduler.running:
+            for seq in scheduler.decoding_seqs(group):
+                room = min(group.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                           max_model_len - seq.num_tokens)
+                seq.draft_token_ids = [1] * max(min(draft(seq), room), 0)
     plan = scheduler.schedule()
     items = plan.scheduled
     for sub_step in range(plan.num_steps):
         if sub_step:
             items = [dataclasses.replace(i, num_new_tokens=1) for i in items if not i.seq.is_finished()]
         for item in items:
-            table = scheduler.block_manager.tables[item.seq.seq_id]
+            table = manager.tables[item.seq.seq_id]
             assert item.seq.num_computed_tokens + item.num_new_tokens <= table.num_tokens, "no slot"
-            item.seq.num_computed_tokens += item.num_new_tokens
+            k = len(item.draft_token_ids)
+            item.seq.num_computed_tokens += item.num_new_tokens - k
             for follower in item.followers:
                 follower.num_computed_tokens = item.seq.num_computed_tokens
             if item.do_sample:
+                stood = verdict(k) if k else 0
                 for seq in [item.seq, *item.followers]:
-                    seq.output_token_ids.append(1)
-                    if (seq.num_output_tokens >= item.group.sampling_params.max_tokens
-                            or seq.num_tokens >= max_model_len):
-                        seq.status = SequenceStatus.FINISHED_LENGTH
+                    for _ in range(1 + stood):           # the drafts that stood, then one more
+                        seq.output_token_ids.append(1)
+                        if (seq.num_output_tokens >= item.group.sampling_params.max_tokens
+                                or seq.num_tokens >= max_model_len):
+                            seq.status = SequenceStatus.FINISHED_LENGTH
+                            break
+                if k:
+                    seq = item.seq
+                    seq.num_computed_tokens = min(seq.num_computed_tokens + stood, seq.num_tokens - 1)
+                    if not seq.is_finished():
+                        manager.rollback(seq, seq.num_computed_tokens)
+                        assert manager.tables[seq.seq_id].num_tokens == seq.num_computed_tokens
+                    seq.draft_token_ids = []
     scheduler.free_finished()
     return plan
 
@@ -54,10 +76,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 num_blocks=st.integers(4, 40), num_cpu_blocks=st.integers(0, 40),
                 max_num_seqs=st.integers(1, 6), chunked=st.booleans(),
                 mode=st.sampled_from(["swap", "recompute", "auto"]), steps=st.sampled_from([1, 1, 3]),
-                budget_extra=st.integers(0, 64), caching=st.booleans())
+                budget_extra=st.integers(0, 64), caching=st.booleans(), speculate=st.booleans())
     def setup(self, block_size, max_model_len, num_blocks, num_cpu_blocks, max_num_seqs, chunked,
-              mode, steps, budget_extra, caching):
+              mode, steps, budget_extra, caching, speculate):
         self.max_model_len = max_model_len
+        # speculative decoding (never with multi-step, as the engine refuses the pair)
+        self.speculate = speculate and steps == 1
         floor = max_num_seqs if chunked else max(max_model_len, max_num_seqs)
         self.budget = floor + budget_extra
         self.manager = BlockManager(num_blocks, block_size, num_cpu_blocks, watermark=0.0,
@@ -93,9 +117,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.scheduler.abort_seq_group(rid) is not None:
             self.aborted.add(rid)
 
-    @rule()
-    def step(self):
-        plan = fake_step(self.scheduler, self.max_model_len)
+    @rule(data=st.data())
+    def step(self, data=None):
+        draft = verdict = None
+        if self.speculate and data is not None:
+            draft = lambda seq: data.draw(st.integers(0, 5), label="draft length")     # noqa: E731
+            verdict = lambda k: data.draw(st.integers(0, k), label="drafts that stand")  # noqa: E731
+        elif self.speculate:   # teardown: drafts of fixed shape
+            draft, verdict = (lambda seq: 2), (lambda k: k // 2)
+        plan = fake_step(self.scheduler, self.max_model_len, draft, verdict)
         if self.scheduler.has_unfinished_seqs():
             assert not plan.is_empty or plan.preempted, "the scheduler stalled with work left"
         assert plan.num_batched_tokens <= self.budget

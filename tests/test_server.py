@@ -495,3 +495,30 @@ def test_a_client_that_stops_reading_then_hangs_up_is_aborted(tiny_model_dir):
     finally:
         code, output = s.stop()
     assert code == 0 and "aborted 0 request(s) in flight" in output, output[-2000:]
+
+
+def test_a_speculating_server_gives_the_same_tokens_and_exports_its_counters(tiny_model_dir, offline):
+    """``serve --speculative-config JSON``: the official client gets the tokens the engine gives
+    without speculation, and /metrics carries vLLM's speculative-decoding counters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s = ServerProcess(tiny_model_dir, "--speculative-config",
+                      '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": false}')
+    try:
+        client = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=60)
+        prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0.0,
+                                        logprobs=1, extra_body={"ignore_eos": True})
+        want = offline.generate({"prompt_token_ids": prompt},
+                                SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        assert got.choices[0].text == want[0].outputs[0].text
+        assert got.usage.completion_tokens == 24
+        stats = httpx.get(f"{s.base}/stats").json()["spec_decode"]
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{s.base}/metrics").text)}
+        value = {x.name: x.value for f in families.values() for x in f.samples}
+        assert value["vllm:spec_decode_num_draft_tokens_total"] == stats["num_draft_tokens"] > 0
+        assert value["vllm:spec_decode_num_accepted_tokens_total"] == stats["num_accepted_tokens"] > 0
+        assert value["vllm:spec_decode_draft_acceptance_rate"] == pytest.approx(stats["acceptance_rate"])
+    finally:
+        code, output = s.stop()
+    assert code == 0, output[-3000:]

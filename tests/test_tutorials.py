@@ -211,3 +211,11 @@ def test_t15_compressed_kv_cache():
     assert "budget 64 tokens = 4 blocks a head" in out and "'#': read" in out
     assert "on a GPU: int8 1.88x the float16 blocks" in out and "on a GPU: fp8 2.00x the float16 blocks" in out
     assert "paged_decode_f32 over int8 blocks" in out
+
+
+def test_t16_speculative_decoding():
+    out = run_tutorial("16_speculative_decoding.py")
+    assert "<- the draft" in out and "table before the pass:" in out and "table after the rollback:" in out
+    assert "drafts stood, then the model's own next token" in out
+    assert "identical tokens: True" in out and "the target as its own draft" in out
+    assert "Done: drafts cost a few query rows" in out

@@ -16,6 +16,11 @@
     detokenizer.py       incremental detokenization: text grows token by token
     output_processor.py  stop rules and RequestOutputs (the system call's return values)
     metrics.py           the counters behind get_stats() and the periodic log line (top)
+    spec_decode.py       speculative execution: draft lengths and n-gram drafts, verification,
+                         the adaptive rule and the counters
+    ngram_proposer.py    readahead for tokens: prompt-lookup drafts
+    rejection_sampler.py retiring speculated work: greedy checks and the exact rejection rule
+    draft_model.py       a draft model, its own KV pool under the target's block ids
 
 It drives the scheduler (scheduler/) and the memory manager (memory/) below it, and the
 model (model/) and the kernels (kernels/) through the backend's kernel namespace.

@@ -25,7 +25,11 @@ GIB = 1 << 30
 
 class CacheEngine:
     def __init__(self, model_config, cache_config: CacheConfig, ops, dtype,
-                 gpu_num_blocks: int | None = None) -> None:
+                 gpu_num_blocks: int | None = None, extra_bytes_per_block: int = 0,
+                 num_cpu_blocks: int | None = None) -> None:
+        """``extra_bytes_per_block``: what another pool indexed by the same block ids (a draft
+        model's) takes per block out of the same space; ``num_cpu_blocks``: that pool's swap
+        blocks, to match (default: as many as swap_space holds)."""
         c = model_config
         xp = ops.xp
         self.ops = ops
@@ -40,11 +44,12 @@ class CacheEngine:
             self.num_blocks = gpu_num_blocks
         else:
             space = cache_config.kv_cache_space or DEFAULT_CPU_KV_SPACE_GIB
-            self.num_blocks = int(space * GIB) // self.bytes_per_block
+            self.num_blocks = int(space * GIB) // (self.bytes_per_block + extra_bytes_per_block)
             if self.num_blocks < 1:
                 raise ValueError(f"kv_cache_space={space} GiB holds no block of "
-                                 f"{self.bytes_per_block} bytes; give it more space")
-        self.num_cpu_blocks = int(cache_config.swap_space * GIB) // self.bytes_per_block
+                                 f"{self.bytes_per_block + extra_bytes_per_block} bytes; give it more space")
+        self.num_cpu_blocks = (int(cache_config.swap_space * GIB) // (self.bytes_per_block + extra_bytes_per_block)
+                               if num_cpu_blocks is None else num_cpu_blocks)
 
         def shape(num_blocks: int) -> tuple[int, ...]:
             return kv_cache_shape(c.num_hidden_layers, num_blocks, c.num_key_value_heads,

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from ..config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from ..config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
 from ..memory.block_manager import BlockManager
 from ..memory.contiguous_allocator import ContiguousBlockManager
 from ..memory.fragmentation import KVBreakdown, measure, summarize
@@ -34,12 +34,14 @@ from ..scheduler.scheduler import Scheduler
 from ..sequence import SequenceGroup
 from .backend import select_backend
 from .beam_search import BeamSearchParams, advance_beams
-from .cache_engine import CacheEngine, profile_gpu_num_blocks
+from .cache_engine import CacheEngine, block_bytes, profile_gpu_num_blocks
+from .draft_model import DraftModel, load_draft_config
 from .input_processor import InputProcessor, PromptInput, RequestError
 from .metrics import Metrics
 from .model_runner import ModelRunner, build_model_input
 from .output_processor import OutputProcessor
 from .sampler import Sampler, SampleRequest, log_softmax, to_host
+from .spec_decode import SpeculativeDecoder
 
 logger = logging.getLogger("minipaged")
 
@@ -55,7 +57,8 @@ class LLMEngine:
                  kv_allocator: str = "paged", contiguous_reserve: str = "max_model_len",
                  track_fragmentation: bool = False, kv_cache_dtype: str = "auto",
                  calculate_kv_scales: bool = False, sparse_attention_budget: int | None = None,
-                 seed: int = 0, log_stats_interval: float = 0.0, max_logprobs: int = 20) -> None:
+                 speculative_config=None, seed: int = 0, log_stats_interval: float = 0.0,
+                 max_logprobs: int = 20) -> None:
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype, seed=seed,
                                    max_logprobs=max_logprobs)
         cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
@@ -74,6 +77,14 @@ class LLMEngine:
                               "turn one of them off")
         if kv_allocator == "contiguous":   # it never preempts: a swap pool would sit unused
             cache_config = dataclasses.replace(cache_config, swap_space=0)
+        self.speculative_config = SpeculativeConfig.from_value(speculative_config)
+        if self.speculative_config is not None:
+            if num_scheduler_steps != 1:
+                raise ConfigError("speculative decoding and multi-step scheduling (num_scheduler_steps="
+                                  f"{num_scheduler_steps}) do not combine; use one of them")
+            if kv_allocator != "paged":
+                raise ConfigError("speculative decoding needs the paged allocator (kv_allocator='paged'): "
+                                  "rejected drafts are rolled back block by block")
         if not (isinstance(log_stats_interval, (int, float)) and log_stats_interval >= 0):
             raise ConfigError(f"log_stats_interval must be a number of seconds >= 0 (0: never), "
                               f"got {log_stats_interval!r}")
@@ -97,15 +108,27 @@ class LLMEngine:
         self.max_model_len = self.scheduler_config.max_model_len
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.backend = select_backend(self.config.device, self.config.dtype)
+        draft = None      # (directory, config) of a draft model, checked before anything loads
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            draft = load_draft_config(self.speculative_config.model, self.model_config, self.tokenizer,
+                                      self.max_model_len)
         self.model = LlamaModel(self.model_config, load_checkpoint(model_dir), self.backend.ops,
                                 self.backend.dtype, max_positions=self.max_model_len)
+        # a draft model's pool is indexed by the same block ids: each block costs both pools' bytes
+        draft_bytes = DraftModel.bytes_per_block(draft[1], cache_config, self.backend.dtype) if draft else 0
         gpu_blocks = None
         if self.backend.device == "cuda" and num_blocks is None:
             gpu_blocks = profile_gpu_num_blocks(self.model, self.model_config, cache_config,
                                                 self.scheduler_config.max_num_batched_tokens,
                                                 self.max_model_len, self.backend.dtype)
+            if draft:
+                target_bytes = block_bytes(self.model_config, cache_config, self.backend.dtype)
+                gpu_blocks = gpu_blocks * target_bytes // (target_bytes + draft_bytes)
         self.cache = CacheEngine(self.model_config, cache_config, self.backend.ops, self.backend.dtype,
-                                 gpu_num_blocks=gpu_blocks)
+                                 gpu_num_blocks=gpu_blocks, extra_bytes_per_block=draft_bytes)
+        self.draft = (DraftModel(draft[0], draft[1], self.backend.ops, self.backend.dtype, cache_config,
+                                 self.cache.num_blocks, self.cache.num_cpu_blocks, self.max_model_len)
+                      if draft else None)
         if kv_allocator == "contiguous":   # the "traditional" baseline of the paper
             self.block_manager = ContiguousBlockManager(self.cache.num_blocks, block_size, self.max_model_len,
                                                         reserve=contiguous_reserve)
@@ -127,6 +150,8 @@ class LLMEngine:
                                               max_logprobs=self.config.max_logprobs,
                                               max_num_seqs=self.scheduler_config.max_num_seqs)
         self.metrics = Metrics()
+        self.spec = (SpeculativeDecoder(self.speculative_config, self.max_model_len)
+                     if self.speculative_config is not None else None)
         self.log_stats_interval = log_stats_interval   # seconds between log lines; 0 = never
         self._last_log_time = time.monotonic()
         self.rng = np.random.default_rng(seed)        # seeds requests that bring no seed of their own
@@ -184,17 +209,24 @@ class LLMEngine:
         self.output_processor.forget(group)
         for seq in group.seqs:
             self.generators.pop(seq.seq_id, None)
+            if self.spec is not None:
+                self.spec.forget(seq.seq_id)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:   # draft tokens for the decodes, before their slots are mapped
+            running = self.scheduler.running
+            self.spec.propose(running, [s for g in running for s in self.scheduler.decoding_seqs(g)])
         plan = self.scheduler.schedule()
-        # Swap-outs first: they free device blocks that this step's swap-ins may reuse.
-        if plan.blocks_to_swap_out:
-            self.cache.swap_out(plan.blocks_to_swap_out)
-        if plan.blocks_to_swap_in:
-            self.cache.swap_in(plan.blocks_to_swap_in)
-        if plan.blocks_to_copy:
-            self.cache.copy(plan.blocks_to_copy)
+        # Swap-outs first: they free device blocks that this step's swap-ins may reuse. One
+        # plan for every pool the block ids index (a draft model's too).
+        for cache in (self.cache, *([self.draft.cache] if self.draft else [])):
+            if plan.blocks_to_swap_out:
+                cache.swap_out(plan.blocks_to_swap_out)
+            if plan.blocks_to_swap_in:
+                cache.swap_in(plan.blocks_to_swap_in)
+            if plan.blocks_to_copy:
+                cache.copy(plan.blocks_to_copy)
         if plan.is_empty:
             return []
         blocks_in_use = self.block_manager.num_used_blocks                 # before anything is freed
@@ -211,6 +243,10 @@ class LLMEngine:
             if not items:
                 break
             num_generated += self._run_model(items, touched)
+        if self.spec is not None:
+            self.spec.observe([i.seq for i in plan.scheduled])
+            for item in plan.scheduled:
+                item.seq.draft_token_ids = []
         now = time.monotonic()
         for group in touched.values():
             if group.is_finished():
@@ -230,6 +266,13 @@ class LLMEngine:
     def _run_model(self, items: list, touched: dict[str, SequenceGroup]) -> int:
         """One forward pass over ``items``, then sample; returns how many tokens were sampled."""
         tables = [self.block_manager.block_table(s.seq) for s in items]
+        draft_probs = {}        # seq_id -> the draft model's distributions (k, V), sampled requests
+        speculating = [(item, table) for item, table in zip(items, tables) if item.draft_token_ids]
+        if self.draft is not None and speculating:   # the draft model fills in the drafts' tokens
+            draft_probs = self.draft.propose(
+                [i for i, _ in speculating], [t for _, t in speculating], self.block_manager.block_size,
+                self.sampler, self.generators,
+                lambda item, ahead: self.output_processor.banned_tokens(item.group, item.seq, ahead))
         prompt_from = {}   # request -> first prompt position still needing logits (prompt_logprobs)
         for item in items:
             start = self.output_processor.prompt_logprobs_from(item.group) if item.is_prefill else None
@@ -249,7 +292,18 @@ class LLMEngine:
                     for item, seq in (model_input.sampled[r] for r in sample_rows)]
         results = self.sampler(logits[sample_rows], requests)
         beam_logprobs = to_host(log_softmax(logits[beam_rows].astype(np.float64), self.backend.xp))  # (beams, vocab)
-        prompt_results, offset = [], len(model_input.sampled)   # the prompt rows follow the sampled ones
+        offset = len(model_input.sampled)           # the speculating rows follow the sampled ones
+        verdicts = []                               # (item, drafts that stood, results to append)
+        for item in model_input.verify:
+            k = len(item.draft_token_ids)
+            accepted, verified = self.spec.verify(
+                logits[offset:offset + k + 1], item.group, item.seq, list(item.draft_token_ids), self.sampler,
+                self.generators[item.seq.seq_id],
+                lambda ahead, g=item.group, s=item.seq: self.output_processor.banned_tokens(g, s, ahead),
+                draft_probs.get(item.seq.seq_id))
+            verdicts.append((item, accepted, verified))
+            offset += k + 1
+        prompt_results = []                         # the prompt rows come last
         for run in model_input.prompt_rows:
             m = run.token_ids.shape[0]
             prompt_results.append(self.sampler.prompt_logprobs(
@@ -260,12 +314,27 @@ class LLMEngine:
         for run, entries in zip(model_input.prompt_rows, prompt_results):
             self.output_processor.add_prompt_logprobs(run.group, run.first_token, entries)
         for item in items:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            # a speculating decode keeps its newest token and the drafts that stood
+            item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids)
             for follower in item.followers:   # they share the prompt's blocks: same progress
                 follower.num_computed_tokens = item.seq.num_computed_tokens
         now = time.monotonic()
         for (item, seq), result in zip((model_input.sampled[r] for r in sample_rows), results):
             self.output_processor.append(item.group, seq, result)
+            touched[item.group.request_id] = item.group
+        num_emitted = 0
+        for item, accepted, verified in verdicts:
+            seq = item.seq
+            for result in verified:           # the drafts that stood, then the model's own token
+                self.output_processor.append(item.group, seq, result)
+                num_emitted += 1
+                if seq.is_finished():
+                    break
+            seq.num_computed_tokens = min(seq.num_computed_tokens + accepted, seq.num_tokens - 1)
+            # the draft's pool keeps only the positions that stood
+            seq.draft_num_computed_tokens = min(seq.draft_num_computed_tokens, seq.num_computed_tokens)
+            if not seq.is_finished():         # unmap the rejected drafts' slots (page-table rollback)
+                self.block_manager.rollback(seq, seq.num_computed_tokens)
             touched[item.group.request_id] = item.group
         beams: dict[str, list] = {}                                      # request -> [(seq, row)]
         for i, r in enumerate(beam_rows):
@@ -279,7 +348,7 @@ class LLMEngine:
             if group.first_token_time is None:
                 group.first_token_time = now
                 self.metrics.ttfts.append(now - group.arrival_time)
-        return len(model_input.sampled)
+        return len(model_input.sampled) + num_emitted
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict:
@@ -308,4 +377,5 @@ class LLMEngine:
             max_concurrent_requests=self.metrics.max_concurrent_requests,
             kv_slots=measure(bm, sched, self.max_model_len).as_dict(),   # where the pool's slots are now
             fragmentation=summarize(self.kv_history),                    # averages over tracked steps
+            spec_decode=self.spec.stats.as_dict() if self.spec is not None else None,
         )

@@ -69,10 +69,16 @@ class Metrics:
         then = then or self.start_time
         dt = max(now - then, 1e-9)
         self._last_log = (now, self.prompt_tokens, self.generation_tokens)
+        spec = stats.get("spec_decode")
+        speculation = ""
+        if spec and spec["num_draft_tokens"]:
+            speculation = (f", Speculative decoding: acceptance {spec['acceptance_rate']:.1%} of "
+                           f"{spec['num_draft_tokens']} drafts, mean accepted length "
+                           f"{spec['mean_accepted_length']:.2f}")
         return (f"Avg prompt throughput: {(self.prompt_tokens - prompt) / dt:.1f} tokens/s, "
                 f"Avg generation throughput: {(self.generation_tokens - generated) / dt:.1f} tokens/s, "
                 f"Running: {stats['num_running']} reqs, Swapped: {stats['num_swapped']} reqs, "
                 f"Pending: {stats['num_waiting']} reqs, KV cache usage: {stats['kv_usage']:.1%}, "
                 f"CPU KV cache usage: {stats['cpu_kv_usage']:.1%}, "
                 f"Preemptions: {stats['num_preemptions']} (swap {stats['num_preemptions_swap']}, "
-                f"recompute {stats['num_preemptions_recompute']})")
+                f"recompute {stats['num_preemptions_recompute']}){speculation}")

@@ -36,11 +36,13 @@ class ModelInput:
     input_ids: np.ndarray       # (T,) int64 the tokens computed this step, sequence after sequence
     positions: np.ndarray       # (T,) int64 their positions in their own sequences
     meta: AttentionMetadata
-    logits_indices: np.ndarray  # (N + M,) int64 batch rows that get logits: first the N sampled
+    logits_indices: np.ndarray  # (N + V + M,) int64 batch rows that get logits: first the N sampled
                                 #       rows (a row repeats for samples that share one prompt
-                                #       computation), then the M rows of prompt_rows, in order
+                                #       computation), then the V rows of the speculating items
+                                #       (k + 1 each), then the M rows of prompt_rows, in order
     sampled: list[tuple[ScheduledSeq, Sequence]]  # (N,) the scheduled item and the sample drawing
     prompt_rows: list[PromptLogprobRows]          # the M prompt rows, run by run
+    verify: list[ScheduledSeq]  # speculating decodes: the newest token and k drafts, all scored
 
 
 def build_model_input(scheduled: list[ScheduledSeq], block_tables: list[list[int]],
@@ -53,7 +55,7 @@ def build_model_input(scheduled: list[ScheduledSeq], block_tables: list[list[int
     the prompt's second-to-last position. Requests not in it get no prompt rows.
     """
     ids, positions, slots, q_lens, seq_lens, logits_rows, sampled = [], [], [], [], [], [], []
-    prompt_rows, prompt_logits_rows = [], []
+    prompt_rows, prompt_logits_rows, verify, verify_rows = [], [], [], []
     wanted = dict(prompt_logprobs_from or {})
     row = 0
     for item, table in zip(scheduled, block_tables):
@@ -61,7 +63,8 @@ def build_model_input(scheduled: list[ScheduledSeq], block_tables: list[list[int
         start = seq.num_computed_tokens                       # first position computed now
         pos = np.arange(start, start + n, dtype=np.int64)     # (n,)
         table_arr = np.asarray(table, dtype=np.int64)          # (blocks,)
-        ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int64))
+        drafts = item.draft_token_ids                         # speculative: after the newest token
+        ids.append(np.asarray(seq.token_ids[start:start + n - len(drafts)] + list(drafts), dtype=np.int64))
         positions.append(pos)
         slots.append(table_arr[pos // block_size] * block_size + pos % block_size)
         q_lens.append(n)
@@ -76,7 +79,10 @@ def build_model_input(scheduled: list[ScheduledSeq], block_tables: list[list[int
                     item.group, first + 1, np.asarray(seq.prompt_token_ids[first + 1:last + 1], dtype=np.int64)))
                 wanted[request_id] = last                     # (another sample of it: not twice)
         row += n
-        if item.do_sample:
+        if drafts:                                            # every position predicts the next
+            verify_rows.append(np.arange(row - n, row, dtype=np.int64))
+            verify.append(item)
+        elif item.do_sample:
             for sample in [seq, *item.followers]:             # the last new token predicts the next
                 logits_rows.append(row - 1)
                 sampled.append((item, sample))
@@ -94,9 +100,9 @@ def build_model_input(scheduled: list[ScheduledSeq], block_tables: list[list[int
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
     )
-    logits_indices = np.concatenate([np.asarray(logits_rows, dtype=np.int64), *prompt_logits_rows])
+    logits_indices = np.concatenate([np.asarray(logits_rows, dtype=np.int64), *verify_rows, *prompt_logits_rows])
     return ModelInput(np.concatenate(ids), np.concatenate(positions), meta, logits_indices, sampled,
-                      prompt_rows)
+                      prompt_rows, verify)
 
 
 class ModelRunner:

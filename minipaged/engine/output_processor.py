@@ -42,10 +42,11 @@ class OutputProcessor:
         assert first_token == len(known), f"prompt logprobs of {group.request_id} arrived out of order"
         known.extend(entries)
 
-    def banned_tokens(self, group: SequenceGroup, seq: Sequence) -> list[int]:
-        """Tokens that may not be sampled yet: every stop token until min_tokens is reached."""
+    def banned_tokens(self, group: SequenceGroup, seq: Sequence, ahead: int = 0) -> list[int]:
+        """Tokens that may not be sampled yet: every stop token until min_tokens is reached
+        (``ahead``: for the token that many places further, after draft tokens)."""
         params = group.sampling_params
-        if seq.num_output_tokens >= params.min_tokens:
+        if seq.num_output_tokens + ahead >= params.min_tokens:
             return []
         eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
         return eos + list(params.stop_token_ids)

@@ -159,19 +159,23 @@ class Sampler:
         # the backend's row normaliser (ops.logsumexp); without one, numpy / cupy reductions
         self.logsumexp = logsumexp or (lambda x: _logsumexp(x, xp))
 
-    def __call__(self, logits, requests: list[SampleRequest]) -> list[SampleResult]:
-        """logits: (N, V), row i belongs to requests[i]."""
+    def adjust(self, logits, requests: list[SampleRequest]):
+        """(N, V) -> a float32 copy with each row's bans, logit_bias and penalties applied: the
+        logits its request samples from (before temperature and the filters)."""
         xp = self.xp
-        raw = logits
-        # The model's own log-probabilities, before any ban: log p = logit - logsumexp(row).
-        # Only the rows that ask for top logprobs get the whole (V,) row of them.
-        norm = self.logsumexp(raw)                     # (N,)
         logits = logits.astype(xp.float32)             # (N, V) own copy: bans write into it
         for i, req in enumerate(requests):
             if req.banned_token_ids:
                 logits[i, req.banned_token_ids] = -xp.inf
         if any(r.params.logit_bias or r.params.has_penalties for r in requests):
             adjust_logits(logits, requests, xp)        # touches only the rows that ask
+        return logits
+
+    def __call__(self, logits, requests: list[SampleRequest]) -> list[SampleResult]:
+        """logits: (N, V), row i belongs to requests[i]."""
+        xp = self.xp
+        raw = logits
+        logits = self.adjust(raw, requests)
         greedy_tokens = to_host(logits.argmax(axis=-1))  # (N,) used by temperature-0 rows
         tokens = []
         for i, req in enumerate(requests):
@@ -187,6 +191,13 @@ class Sampler:
             while float(probs[token]) == 0.0:  # a rounding edge landed on a removed token
                 token -= 1
             tokens.append(token)
+        return self.results(raw, tokens, requests)
+
+    def results(self, raw, tokens: list[int], requests: list[SampleRequest]) -> list[SampleResult]:
+        """The chosen token of each row of raw logits (N, V), with the model's own log-probability
+        (log p = logit - logsumexp(row), before any ban) and, if asked, the row's top logprobs."""
+        xp = self.xp
+        norm = self.logsumexp(raw)                     # (N,)
         rows = xp.arange(len(requests))
         token_logprobs = to_host(raw[rows, xp.asarray(tokens, dtype=xp.int64)].astype(xp.float32) - norm)  # (N,)
         results = []

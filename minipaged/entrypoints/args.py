@@ -72,6 +72,9 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
                    help="block-sparse decode attention (Quest): each head attends to the blocks, within "
                         "this many tokens, whose keys could score highest (the first and last always); "
                         "prefill stays dense. Default: dense")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "adaptive": true}')
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="GPU: share of the device's memory for weights, activations and the KV cache")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
@@ -94,7 +97,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_allocator=args.kv_allocator, contiguous_reserve=args.contiguous_reserve,
                 max_logprobs=args.max_logprobs, kv_cache_dtype=args.kv_cache_dtype,
                 calculate_kv_scales=args.calculate_kv_scales,
-                sparse_attention_budget=args.sparse_attention_budget)
+                sparse_attention_budget=args.sparse_attention_budget,
+                speculative_config=args.speculative_config)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float,

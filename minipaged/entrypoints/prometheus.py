@@ -35,6 +35,16 @@ COUNTERS = [
     ("minipaged:swap_out_bytes", "KV bytes copied to the CPU swap pool.", "bytes_swapped_out"),
     ("minipaged:swap_in_bytes", "KV bytes copied back from the CPU swap pool.", "bytes_swapped_in"),
 ]
+# speculative decoding (get_stats()["spec_decode"], None when off): vLLM's names
+SPEC_COUNTERS = [
+    ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", "num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
+]
+SPEC_GAUGES = [
+    ("vllm:spec_decode_draft_acceptance_rate", "Share of draft tokens accepted.", "acceptance_rate"),
+    ("minipaged:spec_decode_mean_accepted_length", "Tokens a verifying step emits per sequence, on average.",
+     "mean_accepted_length"),
+]
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0, 160.0)
 
@@ -55,6 +65,13 @@ class EngineCollector:
             family = CounterMetricFamily(name, help_, labels=["model_name"])
             family.add_metric([self.model_name], float(self.stats.get(key) or 0))
             yield family
+        spec = self.stats.get("spec_decode")
+        if spec is not None:      # only an engine that speculates has these
+            for kind, table in ((CounterMetricFamily, SPEC_COUNTERS), (GaugeMetricFamily, SPEC_GAUGES)):
+                for name, help_, key in table:
+                    family = kind(name, help_, labels=["model_name"])
+                    family.add_metric([self.model_name], float(spec.get(key) or 0))
+                    yield family
 
 
 class ServerMetrics:

@@ -3,9 +3,9 @@
 It plays the part of an OS virtual-memory manager: it owns the frame allocators
 (the device pool and the CPU swap pool) and one page table (BlockTable) per
 sequence, decides whether a new process fits (``can_allocate``), grows a
-process's memory one page at a time (``append_slots``), pages a whole process
-out to swap and back (``swap_out`` / ``swap_in``) and releases everything when
-it exits (``free``). It never touches the KV data itself: swapping returns a
+process's memory one page at a time (``append_slots``), gives back the pages a
+speculation did not need (``rollback``), pages a whole process out to swap and
+back (``swap_out`` / ``swap_in``) and releases everything when it exits (``free``). It never touches the KV data itself: swapping returns a
 plan of (source block, destination block) pairs that the cache engine executes,
 the way a kernel programs a DMA engine.
 """
@@ -224,6 +224,18 @@ class BlockManager:
             copies.append((shared, table.block_ids[index]))
         self._grow(seq, seq.num_tokens + num_lookahead)
         return copies
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Unmap every slot past the sequence's first ``num_tokens`` (speculative decoding: the
+        positions of drafts the model rejected). The last block's fill count drops, and a block
+        that held only rejected positions goes back to the free list at once. Those blocks were
+        mapped this step for the lookahead, so no other table holds them and no prefix-cache
+        name covers them (names cover computed tokens only)."""
+        table = self.tables[seq.seq_id]
+        assert len(table.names) * self.block_size <= num_tokens, "a rollback into named (cached) blocks"
+        pool = self.cpu_allocator if seq.seq_id in self.on_cpu else self.allocator
+        for block_id in table.truncate(num_tokens):
+            pool.free(block_id)
 
     def _grow(self, seq: Sequence, num_slots: int) -> None:
         table = self.tables[seq.seq_id]

@@ -39,6 +39,19 @@ class BlockTable:
         assert self.fills and self.fills[-1] < self.block_size, "no free slot in the last block"
         self.fills[-1] += 1
 
+    def truncate(self, num_tokens: int) -> list[int]:
+        """Keep the first ``num_tokens`` slots: the fill counts drop, and blocks left empty leave
+        the table (returned, last first, for the caller to free)."""
+        removed = []
+        while self.num_tokens > num_tokens:
+            excess = self.num_tokens - num_tokens
+            if self.fills[-1] <= excess:
+                self.fills.pop()
+                removed.append(self.block_ids.pop())
+            else:
+                self.fills[-1] -= excess
+        return removed
+
     def copy(self) -> "BlockTable":
         """A second table mapping the same physical blocks (the caller counts the new holders)."""
         twin = BlockTable(self.block_size)

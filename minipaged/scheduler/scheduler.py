@@ -5,7 +5,9 @@ by recomputation), ``running`` (holding device blocks) and ``swapped`` (their
 blocks paged out to the CPU pool). Every step builds one batch within two
 budgets, ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens:
 
-1. running requests, earliest first, each get their next token; if one needs a
+1. running requests, earliest first, each get their next token (and, with
+   speculative decoding, a slot for each draft token while blocks and the token
+   budget allow: drafts give way before anyone is preempted); if one needs a
    new block and none is free, the most recent arrival is preempted (swapped out
    or dropped for recomputation) until the earlier ones fit, as an OS pages out
    or kills its youngest process rather than let everyone starve;
@@ -49,6 +51,9 @@ class ScheduledSeq:
     # Samples of the same prompt that share this sequence's blocks and computation:
     # they mirror its progress and each draw their own token from its logits.
     followers: list[Sequence] = field(default_factory=list)
+    # Speculative decoding: draft tokens computed after the newest one (num_new_tokens =
+    # 1 + len(draft_token_ids)), their slots mapped ahead; the model verifies them this step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -122,23 +127,31 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
-        # 1. Running sequences that decode get one slot each, earliest request first.
+        # 1. Running sequences that decode get one slot each, earliest request first (and,
+        #    speculating, one per draft token: slots that a full pool gives up first).
         queue = deque(g for g in self.running if self._decoding(g))
         prefilling = [g for g in self.running if self._prefilling(g)]
+        still_to_decode = sum(len(self._decoding(g)) for g in queue)   # one token each, reserved
         while queue:
             group = queue.popleft()
-            while not self.block_manager.can_append_slots(self._decoding(group)):
+            seqs = self._decoding(group)
+            still_to_decode -= len(seqs)
+            if not self._slots_fit(seqs):
+                for seq in seqs:          # no room to speculate: plain decodes first
+                    seq.draft_token_ids = []
+            while not self._slots_fit(seqs):
                 # Out of blocks: evict the latest arrival (possibly this group itself).
                 victim = max([group, *queue, *prefilling], key=lambda g: g.arrival_index)
                 if victim in queue:
                     queue.remove(victim)
+                    still_to_decode -= len(self._decoding(victim))
                 if victim in prefilling:
                     prefilling.remove(victim)
                 self._preempt(victim, out)
                 if victim is group:
                     break
             else:
-                budget -= self._schedule_decodes(group, out)
+                budget -= self._schedule_decodes(group, out, spare=budget - len(seqs) - still_to_decode)
 
         # 2. Running requests still reading their prompt get their next chunk.
         for group in prefilling:
@@ -180,6 +193,10 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------------ what a group needs
+    def decoding_seqs(self, group: SequenceGroup) -> list[Sequence]:
+        """The group's sequences whose next step is a single decode (they may speculate)."""
+        return self._decoding(group)
+
     @staticmethod
     def _decoding(group: SequenceGroup) -> list[Sequence]:
         """Sequences whose context is cached but for the newest token: one decode step each."""
@@ -219,14 +236,27 @@ class Scheduler:
         needs_prefill = bool(self._prefilling(group))
         return decodes <= budget and (not needs_prefill or self._prefill_tokens(group, budget - decodes) > 0)
 
-    def _schedule_decodes(self, group: SequenceGroup, out: SchedulerOutput) -> int:
-        """One slot (copy-on-write if shared) and one token for each decoding sequence."""
+    def _slots_fit(self, seqs: list[Sequence]) -> bool:
+        """Free blocks for these decodes' newest tokens and their draft tokens' slots?"""
+        needed = sum(self.block_manager.num_new_blocks([s], len(s.draft_token_ids)) for s in seqs)
+        return needed <= self.block_manager.num_free_blocks
+
+    def _schedule_decodes(self, group: SequenceGroup, out: SchedulerOutput, spare: int = 0) -> int:
+        """One slot (copy-on-write if shared) and one token for each decoding sequence, plus a
+        slot per draft token while ``spare`` tokens of the step's budget last; returns the tokens.
+        Only the newest token's block may be named for prefix caching: drafts may be rejected."""
         seqs = self._decoding(group)
+        used = 0
         for seq in seqs:
-            out.blocks_to_copy.extend(self.block_manager.append_slots(seq))
-            out.scheduled.append(ScheduledSeq(group, seq, 1, do_sample=True, is_prefill=False))
+            drafts = seq.draft_token_ids[:max(spare, 0)]
+            seq.draft_token_ids = drafts
+            spare -= len(drafts)
+            out.blocks_to_copy.extend(self.block_manager.append_slots(seq, len(drafts)))
+            out.scheduled.append(ScheduledSeq(group, seq, 1 + len(drafts), do_sample=True, is_prefill=False,
+                                              draft_token_ids=list(drafts)))
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + 1)
-        return len(seqs)
+            used += 1 + len(drafts)
+        return used
 
     def _schedule_prefill(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
         """Schedule the group's next prompt tokens; returns how many."""
@@ -267,6 +297,8 @@ class Scheduler:
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Take the group's device blocks back, by swapping or by recomputation."""
         mode = self.config.preemption_mode
+        for seq in group.unfinished_seqs():
+            seq.draft_token_ids = []      # guesses for a step it will not run
         tokens = sum(s.num_tokens for s in group.unfinished_seqs())
         if mode == "auto" and tokens <= AUTO_RECOMPUTE_MAX_TOKENS:
             mode = "recompute"

@@ -8,7 +8,8 @@ traces are in workloads.py, the timing in measure.py, the tables and the plot in
 report.py, the Hugging Face peer in bench_peers.py, the HTTP clients of ``bench serve`` in
 bench_serve.py, the machine's limits and the steps against them (``bench roofline``) in
 roofline.py, the compressed KV cache's quality (``bench quality``) in quality.py, block-sparse
-attention's (``bench sparse``) in sparse_quality.py.
+attention's (``bench sparse``) in sparse_quality.py, speculative decoding's (``bench spec-decode``)
+in spec_bench.py.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .report import memory_figures, plot_memory, print_result, print_roofline, p
 from .quality import check_quality_args, print_quality, run_quality
 from .roofline import check_roofline_args, run_roofline
 from .sparse_quality import check_sparse_args, print_sparse, run_sparse
+from .spec_bench import print_spec_bench, run_spec_bench
 from .workloads import PEER_WORKLOADS, WORKLOAD_ENGINE, WORKLOADS, BenchRequest, make_prompts, make_requests
 
 
@@ -157,7 +159,7 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
     # the workloads that run their own engines and print their own table
     own = {"roofline": (run_roofline, print_roofline), "quality": (run_quality, print_quality),
-           "sparse": (run_sparse, print_sparse)}
+           "sparse": (run_sparse, print_sparse), "spec-decode": (run_spec_bench, print_spec_bench)}
     if args.workload in own:
         run, show = own[args.workload]
         report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs,

@@ -59,6 +59,11 @@ WORKLOADS = {
                "each of CONTEXT_LENS: passkey retrieval (TRIALS a length), greedy agreement and "
                "teacher-forced log-likelihood of real text through decode steps",
                dict(context_lens="2048,4096,8000", budgets="256,512,1024", trials=5)),
+    "spec-decode": ("speculative decoding off, n-gram (fixed k) and adaptive side by side: a single "
+                    "stream repeating passages of real text (input-grounded), a single stream of free "
+                    "chat, and the throughput trace (NUM_PROMPTS requests, OUTPUT_LEN tokens); "
+                    "--speculative-config sets k and the lookup lengths",
+                    dict(num_prompts=64, min_prompt_len=32, max_prompt_len=256, output_len=128)),
 }
 
 # Engine settings a workload fixes unless the command line sets them.

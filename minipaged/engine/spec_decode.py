@@ -1,0 +1,182 @@
+"""Speculative decoding: guess several tokens, let the model check them all in one pass.
+
+The OS idea is speculative execution with rollback, in the memory manager's terms: before a
+step, each decoding sequence may take a few draft tokens (``propose``); the scheduler maps
+slots for them as it maps any slot (``append_slots`` with a lookahead, trimmed first when
+blocks or the token budget run short); the model computes the newest token and every draft
+in one pass of the flattened batch, mixed with the sequences that do not speculate; then
+``verify`` keeps the drafts the model agrees with (engine/rejection_sampler.py) and the
+engine rolls the page table back past the rejected ones (``BlockManager.rollback``): their
+slots are unmapped, and a block that held only rejected positions is free again at once.
+Prefix-cache names never cover a draft: a block is named only once its tokens are computed
+and accepted.
+
+Draft length. With ``adaptive`` (the default) each sequence keeps a running acceptance rate
+a, the share of its drafted tokens that stood (decayed by ``DECAY`` each step; it starts at
+0.5). If each draft stands with probability a, k drafts yield E(k) = (1 - a^(k+1)) / (1 - a)
+tokens a step. A step's cost grows with its query rows: on a CPU the weights are read once
+whatever the rows, and each row adds arithmetic, so a batch of B decodes costs about
+``STEP_FIXED_ROWS + B`` rows' worth, and k more rows for one sequence cost c = B /
+(STEP_FIXED_ROWS + B) of its share. The sequence takes the k in 0 .. num_speculative_tokens
+that maximises E(k) / (1 + c k): none when a <= c, more as a grows. With k = 0 the n-gram
+guess is still made (it is free) and checked against the token the model then produces, so
+the rate recovers when the text starts repeating again. A draft model's guess is not free:
+a sequence at k = 0 drafts one token every ``PROBE_EVERY`` steps instead, to keep measuring.
+
+With a draft model (engine/draft_model.py) ``propose`` only fixes each sequence's draft
+length; the scheduler maps the slots, then the draft model fills the drafts in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..config import SpeculativeConfig
+from ..sequence import Sequence, SequenceGroup
+from .ngram_proposer import propose_ngram
+from .rejection_sampler import Verdict, verify_greedy, verify_sampled
+from .sampler import SampleRequest, SampleResult, shaped_probs, to_host
+
+# A decode step's fixed cost (reading every weight once), in query rows of arithmetic: on the
+# 2-core CPU of docs/benchmarks.md, a step of 1 row took ~20 ms and each further row ~1.3 ms.
+STEP_FIXED_ROWS = 16
+DECAY = 0.8           # weight of the past in a sequence's acceptance rate, per step
+PRIOR = (1.0, 2.0)    # (accepted, tried): a new sequence's rate starts at 0.5
+PROBE_EVERY = 8       # a draft model at k = 0 still drafts one token this often (steps)
+DRAFT_PLACEHOLDER = -1   # a draft model's token before it is drafted (after the schedule)
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a step yields with k drafts that each stand with probability ``rate``."""
+    return float(k + 1) if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
+
+
+def best_draft_length(rate: float, k_max: int, row_cost: float) -> int:
+    """The k in 0 .. k_max maximising expected tokens per unit of step cost, 1 + row_cost * k
+    (the smallest such k on a tie, so no speculation when it cannot win)."""
+    best, best_value = 0, 1.0
+    for k in range(1, k_max + 1):
+        value = expected_tokens(rate, k) / (1.0 + row_cost * k)
+        if value > best_value + 1e-12:
+            best, best_value = k, value
+    return best
+
+
+@dataclass
+class Acceptance:
+    """One sequence's running record: drafted tokens that stood, of those tried (decayed)."""
+
+    accepted: float = PRIOR[0]
+    tried: float = PRIOR[1]
+    shadow: tuple[int, int] | None = None   # (output length when guessed, guessed token), k = 0
+    idle_steps: int = 0                     # steps since it last drafted (draft model, k = 0)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.tried
+
+    def update(self, accepted: int, tried: int) -> None:
+        self.accepted = DECAY * self.accepted + accepted
+        self.tried = DECAY * self.tried + tried
+
+
+@dataclass
+class SpecDecodeStats:
+    draft_tokens: int = 0        # drafts the model verified
+    accepted_tokens: int = 0     # drafts that stood
+    verify_steps: int = 0        # (sequence, step) pairs that verified at least one draft
+    emitted_tokens: int = 0      # tokens those steps produced (accepted + the model's own one)
+
+    def as_dict(self) -> dict:
+        return {"num_draft_tokens": self.draft_tokens, "num_accepted_tokens": self.accepted_tokens,
+                "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
+                "mean_accepted_length": self.emitted_tokens / self.verify_steps if self.verify_steps else None,
+                "num_verify_steps": self.verify_steps}
+
+
+@dataclass
+class SpeculativeDecoder:
+    config: SpeculativeConfig
+    max_model_len: int
+    records: dict[int, Acceptance] = field(default_factory=dict)   # seq_id -> its acceptance record
+    stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+
+    # ------------------------------------------------------------------ before the step
+    def propose(self, groups: list[SequenceGroup], decoding: list[Sequence]) -> None:
+        """Give each of ``decoding`` (sequences whose next step is a decode) its draft tokens,
+        at most what its max_tokens and max_model_len leave room for. Beam searches do not
+        speculate (their beams are chosen one step at a time)."""
+        cfg = self.config
+        row_cost = len(decoding) / (STEP_FIXED_ROWS + len(decoding))
+        params_of = {s.seq_id: g.sampling_params for g in groups if g.beam is None for s in g.seqs}
+        for seq in decoding:
+            seq.draft_token_ids = []
+            params = params_of.get(seq.seq_id)
+            if params is None:
+                continue
+            # the step emits up to k + 1 tokens; the drafts' positions must stay < max_model_len
+            room = min(params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
+            record = self.records.setdefault(seq.seq_id, Acceptance())
+            k = cfg.num_speculative_tokens
+            if cfg.adaptive:
+                k = best_draft_length(record.rate, k, row_cost)
+            record.shadow = None
+            if cfg.method == "draft_model":   # the length now; the draft model fills them in later
+                record.idle_steps = 0 if k else record.idle_steps + 1
+                if k == 0 and record.idle_steps >= PROBE_EVERY:
+                    k, record.idle_steps = 1, 0
+                seq.draft_token_ids = [DRAFT_PLACEHOLDER] * max(min(k, room), 0)
+                continue
+            guess = propose_ngram(seq.token_ids, max(k, 1), cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if k == 0 or room <= 0:
+                if guess:   # free to make: checked against what the model produces this step
+                    record.shadow = (seq.num_output_tokens, guess[0])
+                continue
+            seq.draft_token_ids = guess[:min(k, room)]
+
+    # ------------------------------------------------------------------ the step's verdict
+    def verify(self, logits, group: SequenceGroup, seq: Sequence, drafts: list[int], sampler,
+               generator: np.random.Generator, banned,
+               draft_probs: np.ndarray | None = None) -> tuple[int, list[SampleResult]]:
+        """The target's logits (k + 1, V) at the newest token and each draft -> (drafts that
+        stand, the results to append: those drafts and the target's own next token).
+        ``banned(ahead)`` gives the tokens banned that many tokens further on; ``draft_probs``
+        (k, V): the draft model's distributions (None: one-hot n-gram drafts)."""
+        params = group.sampling_params
+        k = len(drafts)
+        # position i samples after the output and drafts[:i]: its own bans and penalties
+        requests = [SampleRequest(params, generator, banned(i), seq.prompt_token_ids,
+                                  seq.output_token_ids + drafts[:i]) for i in range(k + 1)]
+        adjusted = sampler.adjust(logits, requests)             # (k + 1, V) float32
+        if params.greedy:
+            verdict: Verdict = verify_greedy(to_host(adjusted.argmax(axis=-1)), drafts)
+        else:
+            probs = np.stack([to_host(shaped_probs(adjusted[i], params, sampler.xp)) for i in range(k + 1)])
+            verdict = verify_sampled(probs, drafts, generator, draft_probs)
+        n = len(verdict.token_ids)
+        results = sampler.results(logits[:n], verdict.token_ids, requests[:n])
+        record = self.records.setdefault(seq.seq_id, Acceptance())
+        tried = verdict.num_accepted + (verdict.num_accepted < k)   # draws until the first rejection
+        record.update(verdict.num_accepted, tried)
+        self.stats.draft_tokens += k
+        self.stats.accepted_tokens += verdict.num_accepted
+        self.stats.verify_steps += 1
+        self.stats.emitted_tokens += n
+        return verdict.num_accepted, results
+
+    def observe(self, seqs: list[Sequence]) -> None:
+        """After a step: a guess made but not drafted (k = 0) is checked against the token the
+        model produced, so a sequence's rate can rise again without paying for drafts."""
+        for seq in seqs:
+            record = self.records.get(seq.seq_id)
+            if record is None or record.shadow is None:
+                continue
+            at, token = record.shadow
+            record.shadow = None
+            if seq.num_output_tokens > at:
+                record.update(int(seq.output_token_ids[at] == token), 1)
+
+    def forget(self, seq_id: int) -> None:
+        self.records.pop(seq_id, None)
