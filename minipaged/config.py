@@ -72,7 +72,7 @@ class CacheConfig:
                  f"calculate_kv_scales must be True or False, got {self.calculate_kv_scales!r}")
 
 
-PREEMPTION_MODES = ("swap", "recompute", "auto")
+PREEMPTION_MODES = ("swap", "recompute", "auto", "partial")
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256                    # sequences running at once
     max_num_batched_tokens: int | None = None  # tokens per step; None: see below
     enable_chunked_prefill: bool = False       # split long prompts over several steps
-    preemption_mode: str = "auto"              # how a request gives its blocks back: swap, recompute, auto
+    preemption_mode: str = "auto"              # how a request gives its blocks back: swap, recompute,
+                                               # auto, or partial (swap out only the blocks a step lacks)
     num_scheduler_steps: int = 1               # decode steps run per scheduling decision
 
     def __post_init__(self) -> None:

@@ -37,7 +37,7 @@ def expected(tiny_model_dir, batch):
     return out
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
+@pytest.mark.parametrize("mode", ["swap", "recompute", "auto", "partial"])
 def test_preemption_changes_no_token(tiny_model_dir, batch, expected, mode):
     llm = LLM(str(tiny_model_dir), device="cpu", block_size=2, num_blocks=40, swap_space=SWAP_GIB,
               preemption_mode=mode)
@@ -51,6 +51,9 @@ def test_preemption_changes_no_token(tiny_model_dir, batch, expected, mode):
     elif mode == "recompute":
         assert stats["num_preemptions_recompute"] == stats["num_preemptions"]
         assert stats["blocks_swapped_out"] == 0
+    elif mode == "partial":   # demand paging: every swap moved only part of its victim
+        assert stats["num_preemptions_partial"] == stats["num_preemptions_swap"] > 0
+        assert stats["blocks_swapped_out"] == stats["blocks_swapped_in"] > 0
     else:  # short sequences are recomputed, long ones swapped
         assert stats["num_preemptions_swap"] + stats["num_preemptions_recompute"] == stats["num_preemptions"]
     assert stats["kv_blocks_used"] == 0 and stats["cpu_kv_usage"] == 0.0

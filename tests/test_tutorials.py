@@ -219,3 +219,10 @@ def test_t16_speculative_decoding():
     assert "drafts stood, then the model's own next token" in out
     assert "identical tokens: True" in out and "the target as its own draft" in out
     assert "Done: drafts cost a few query rows" in out
+
+
+def test_t17_demand_paging():
+    out = run_tutorial("17_demand_paging.py")
+    assert "gives up 1 block(s)" in out and "(present bits " in out and "0)" in out
+    assert "only the missing entries come back" in out and "every entry present: it runs again" in out
+    assert "the same tokens: True" in out

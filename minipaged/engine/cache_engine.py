@@ -182,18 +182,21 @@ def kv_cache_blocks(*, total: int, free: int, utilization: float, activations: i
 
 
 def profile_gpu_num_blocks(model, model_config, cache_config: CacheConfig, max_num_batched_tokens: int,
-                           max_model_len: int, dtype) -> int:
+                           max_model_len: int, dtype, extra_models=(), extra_bytes_per_block: int = 0) -> int:
     """Size the GPU KV pool as vLLM does: run one forward pass at the largest batch the
     budgets allow, measure its peak memory, and give the KV cache what remains of
-    ``gpu_memory_utilization`` of the device's memory (``kv_cache_blocks``)."""
+    ``gpu_memory_utilization`` of the device's memory (``kv_cache_blocks``).
+
+    ``extra_models``: (model, config) pairs that run on the same steps (a draft model), each
+    measured the same way (the peak is the larger); ``extra_bytes_per_block``: what their pool
+    takes per block id besides this one's."""
     import cupy  # noqa: PLC0415
 
     from ..kernels.layout import AttentionMetadata  # noqa: PLC0415
 
-    c = model_config
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()          # cached blocks of dropped arrays are not ours to count
-    bytes_per_block = block_bytes(c, cache_config, dtype)   # scales and key bounds counted
+    bytes_per_block = block_bytes(model_config, cache_config, dtype) + extra_bytes_per_block
     lengths = []                                           # sequences filling the token budget
     left = max_num_batched_tokens
     while left > 0:
@@ -201,8 +204,6 @@ def profile_gpu_num_blocks(model, model_config, cache_config: CacheConfig, max_n
         left -= lengths[-1]
     size = cache_config.block_size
     blocks = [-(-n // size) for n in lengths]
-    scratch = cupy.zeros(kv_cache_shape(c.num_hidden_layers, sum(blocks), c.num_key_value_heads, size,
-                                        c.head_dim), dtype=dtype)
     tables = np.full((len(lengths), max(blocks)), -1, np.int32)
     first = 0
     for i, n in enumerate(blocks):
@@ -211,16 +212,20 @@ def profile_gpu_num_blocks(model, model_config, cache_config: CacheConfig, max_n
     slots = np.concatenate([tables[i, np.arange(n) // size] * size + np.arange(n) % size
                             for i, n in enumerate(lengths)]).astype(np.int64)
     qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    meta = AttentionMetadata(cupy.asarray(slots), cupy.asarray(qsl), cupy.asarray(np.array(lengths, np.int32)),
-                             cupy.asarray(tables), max(lengths), max(lengths))
     positions = np.concatenate([np.arange(n) for n in lengths])
-    ids, pos, last = cupy.zeros(len(positions), np.int64), cupy.asarray(positions), cupy.asarray(qsl[1:] - 1)
-    alive = pool.used_bytes()       # everything in use before the pass (ours, and any other engine's)
-    model.forward(ids, pos, scratch, meta, last)
-    cupy.cuda.Device().synchronize()
-    activations = pool.total_bytes() - alive   # the pool keeps what the pass freed: its high-water mark
-    del scratch, meta, ids, pos, last
-    pool.free_all_blocks()
+    activations = 0
+    for net, c in [(model, model_config), *extra_models]:
+        scratch = cupy.zeros(kv_cache_shape(c.num_hidden_layers, sum(blocks), c.num_key_value_heads, size,
+                                            c.head_dim), dtype=dtype)
+        meta = AttentionMetadata(cupy.asarray(slots), cupy.asarray(qsl), cupy.asarray(np.array(lengths, np.int32)),
+                                 cupy.asarray(tables), max(lengths), max(lengths))
+        ids, pos, last = cupy.zeros(len(positions), np.int64), cupy.asarray(positions), cupy.asarray(qsl[1:] - 1)
+        alive = pool.used_bytes()       # everything in use before the pass (ours, and any other engine's)
+        net.forward(ids, pos, scratch, meta, last)
+        cupy.cuda.Device().synchronize()
+        activations = max(activations, pool.total_bytes() - alive)   # the pool keeps the pass's high-water mark
+        del scratch, meta, ids, pos, last
+        pool.free_all_blocks()
     free, total = cupy.cuda.runtime.memGetInfo()
     utilization = cache_config.gpu_memory_utilization
     num_blocks = kv_cache_blocks(total=total, free=free, utilization=utilization, activations=activations,

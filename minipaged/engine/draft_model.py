@@ -68,13 +68,22 @@ def draft_cache_config(cache_config: CacheConfig) -> CacheConfig:
 
 
 class DraftModel:
-    def __init__(self, model_dir, config, ops, dtype, cache_config: CacheConfig, num_blocks: int,
-                 num_cpu_blocks: int, max_model_len: int) -> None:
+    def __init__(self, model_dir, config, ops, dtype, max_model_len: int, max_tokens_per_pass: int) -> None:
+        """The draft's weights; its pool comes once the target's is sized (``attach_pool``).
+        ``max_tokens_per_pass``: a catch-up pass computes at most this many tokens (the step's
+        token budget, which the GPU's pool sizing measured a pass of)."""
         self.config = config
         self.model = LlamaModel(config, load_checkpoint(model_dir), ops, dtype, max_positions=max_model_len)
-        self.cache = CacheEngine(config, dataclasses.replace(draft_cache_config(cache_config), num_blocks=num_blocks),
-                                 ops, dtype, num_cpu_blocks=num_cpu_blocks)
+        self.ops, self.dtype = ops, dtype
+        self.max_tokens_per_pass = max_tokens_per_pass
+        self.cache: CacheEngine | None = None
         self.xp = ops.xp
+
+    def attach_pool(self, cache_config: CacheConfig, num_blocks: int, num_cpu_blocks: int) -> None:
+        """The draft's KV pool: as many blocks (and swap blocks) as the target's, the same ids."""
+        self.cache = CacheEngine(self.config, dataclasses.replace(draft_cache_config(cache_config),
+                                                                  num_blocks=num_blocks),
+                                 self.ops, self.dtype, num_cpu_blocks=num_cpu_blocks)
 
     @staticmethod
     def bytes_per_block(config, cache_config: CacheConfig, dtype) -> int:
@@ -85,34 +94,34 @@ class DraftModel:
         """Write each item's draft tokens into its ``draft_token_ids`` (whose length the scheduler
         fixed) and return, per sequence id, the draft's distributions (k, V) for sampled requests.
         ``banned(item, ahead)`` gives the request's banned tokens that many tokens further on."""
-        xp = self.xp
         drafted = {item.seq.seq_id: [] for item in items}
         q_rows = {item.seq.seq_id: [] for item in items}
+        # Catch up: every position before the newest token, in passes of at most
+        # max_tokens_per_pass tokens (a long prompt is read in chunks, as chunked prefill does).
+        while True:
+            room, runs, caught_up = self.max_tokens_per_pass, [], []
+            for item, table in zip(items, tables):
+                seq = item.seq
+                start, end = seq.draft_num_computed_tokens, seq.num_tokens - 1
+                if end > start and room > 0:
+                    end = min(end, start + room)
+                    runs.append((table, seq.token_ids, start, end))
+                    caught_up.append((seq, end))
+                    room -= end - start
+            if not runs:
+                break
+            self._forward(runs, block_size, want_logits=False)
+            for seq, end in caught_up:
+                seq.draft_num_computed_tokens = end
         longest = max(len(item.draft_token_ids) for item in items)
-        for j in range(longest):
+        for j in range(longest):   # one pass per draft token: the newest token, then each draft
             batch = [(item, table) for item, table in zip(items, tables) if len(item.draft_token_ids) > j]
-            ids, positions, slots, q_lens, seq_lens = [], [], [], [], []
+            runs = []
             for item, table in batch:
                 seq = item.seq
-                newest = seq.num_tokens - 1 + j                     # the position this pass ends at
-                start = seq.draft_num_computed_tokens if j == 0 else newest   # catch up first
-                text = seq.token_ids + drafted[seq.seq_id]
-                pos = np.arange(start, newest + 1, dtype=np.int64)            # (n,)
-                table_arr = np.asarray(table, dtype=np.int64)
-                ids.append(np.asarray(text[start:newest + 1], dtype=np.int64))
-                positions.append(pos)
-                slots.append(table_arr[pos // block_size] * block_size + pos % block_size)
-                q_lens.append(len(pos))
-                seq_lens.append(newest + 1)
-            block_tables = np.full((len(batch), max(len(t) for _, t in batch)), -1, np.int32)   # (S, max_blocks)
-            for i, (_, table) in enumerate(batch):
-                block_tables[i, :len(table)] = table
-            qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)                  # (S + 1,)
-            meta = AttentionMetadata(xp.asarray(np.concatenate(slots)), xp.asarray(qsl),
-                                     xp.asarray(np.asarray(seq_lens, np.int32)), xp.asarray(block_tables),
-                                     max(q_lens), max(seq_lens))
-            logits = self.model.forward(xp.asarray(np.concatenate(ids)), xp.asarray(np.concatenate(positions)),
-                                        self.cache.kv_cache, meta, xp.asarray(qsl[1:] - 1))   # (S, vocab)
+                newest = seq.num_tokens - 1 + j                     # the position this pass computes
+                runs.append((table, seq.token_ids + drafted[seq.seq_id], newest, newest + 1))
+            logits = self._forward(runs, block_size, want_logits=True)         # (S, vocab)
             for row, (item, _) in enumerate(batch):
                 seq, params = item.seq, item.group.sampling_params
                 request = SampleRequest(params, generators[seq.seq_id], banned(item, j), seq.prompt_token_ids,
@@ -121,7 +130,7 @@ class DraftModel:
                 if params.greedy:
                     token = int(to_host(adjusted.argmax(axis=-1))[0])
                 else:
-                    probs = to_host(shaped_probs(adjusted[0], params, xp))           # (V,) the draft's q
+                    probs = to_host(shaped_probs(adjusted[0], params, self.xp))           # (V,) the draft's q
                     q_rows[seq.seq_id].append(probs)
                     token = draw(probs, request.generator)
                 drafted[seq.seq_id].append(token)
@@ -136,3 +145,28 @@ class DraftModel:
             if q_rows[seq.seq_id]:
                 out[seq.seq_id] = np.stack(q_rows[seq.seq_id])
         return out
+
+    def _forward(self, runs: list[tuple], block_size: int, want_logits: bool):
+        """One pass of the draft over runs of (block table, token ids, first position, end
+        position): each computes positions [first, end) and writes their K/V into the draft's
+        pool at the table's slots. Returns the logits of each run's last position (S, vocab)."""
+        xp = self.xp
+        ids, positions, slots, q_lens, seq_lens = [], [], [], [], []
+        for table, text, start, end in runs:
+            pos = np.arange(start, end, dtype=np.int64)                    # (n,)
+            table_arr = np.asarray(table, dtype=np.int64)                  # (blocks,)
+            ids.append(np.asarray(text[start:end], dtype=np.int64))
+            positions.append(pos)
+            slots.append(table_arr[pos // block_size] * block_size + pos % block_size)
+            q_lens.append(end - start)
+            seq_lens.append(end)
+        block_tables = np.full((len(runs), max(len(r[0]) for r in runs)), -1, np.int32)   # (S, max_blocks)
+        for i, run in enumerate(runs):
+            block_tables[i, :len(run[0])] = run[0]
+        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)                  # (S + 1,)
+        meta = AttentionMetadata(xp.asarray(np.concatenate(slots)), xp.asarray(qsl),
+                                 xp.asarray(np.asarray(seq_lens, np.int32)), xp.asarray(block_tables),
+                                 max(q_lens), max(seq_lens))
+        rows = qsl[1:] - 1 if want_logits else np.zeros(0, np.int64)
+        return self.model.forward(xp.asarray(np.concatenate(ids)), xp.asarray(np.concatenate(positions)),
+                                  self.cache.kv_cache, meta, xp.asarray(rows))

@@ -34,7 +34,7 @@ from ..scheduler.scheduler import Scheduler
 from ..sequence import SequenceGroup
 from .backend import select_backend
 from .beam_search import BeamSearchParams, advance_beams
-from .cache_engine import CacheEngine, block_bytes, profile_gpu_num_blocks
+from .cache_engine import CacheEngine, profile_gpu_num_blocks
 from .draft_model import DraftModel, load_draft_config
 from .input_processor import InputProcessor, PromptInput, RequestError
 from .metrics import Metrics
@@ -85,6 +85,10 @@ class LLMEngine:
             if kv_allocator != "paged":
                 raise ConfigError("speculative decoding needs the paged allocator (kv_allocator='paged'): "
                                   "rejected drafts are rolled back block by block")
+            if sparse_attention_budget is not None:
+                raise ConfigError("speculative decoding and sparse_attention_budget do not combine: a "
+                                  "verification pass attends densely where a decode would attend sparsely, "
+                                  "so the tokens would differ from a run without speculation; use one of them")
         if not (isinstance(log_stats_interval, (int, float)) and log_stats_interval >= 0):
             raise ConfigError(f"log_stats_interval must be a number of seconds >= 0 (0: never), "
                               f"got {log_stats_interval!r}")
@@ -114,21 +118,21 @@ class LLMEngine:
                                       self.max_model_len)
         self.model = LlamaModel(self.model_config, load_checkpoint(model_dir), self.backend.ops,
                                 self.backend.dtype, max_positions=self.max_model_len)
-        # a draft model's pool is indexed by the same block ids: each block costs both pools' bytes
+        # a draft model is loaded before the pool is sized (its weights take memory too), and its
+        # pool is indexed by the same block ids: each block costs both pools' bytes
+        self.draft = (DraftModel(draft[0], draft[1], self.backend.ops, self.backend.dtype, self.max_model_len,
+                                 self.scheduler_config.max_num_batched_tokens) if draft else None)
         draft_bytes = DraftModel.bytes_per_block(draft[1], cache_config, self.backend.dtype) if draft else 0
         gpu_blocks = None
         if self.backend.device == "cuda" and num_blocks is None:
-            gpu_blocks = profile_gpu_num_blocks(self.model, self.model_config, cache_config,
-                                                self.scheduler_config.max_num_batched_tokens,
-                                                self.max_model_len, self.backend.dtype)
-            if draft:
-                target_bytes = block_bytes(self.model_config, cache_config, self.backend.dtype)
-                gpu_blocks = gpu_blocks * target_bytes // (target_bytes + draft_bytes)
+            gpu_blocks = profile_gpu_num_blocks(
+                self.model, self.model_config, cache_config, self.scheduler_config.max_num_batched_tokens,
+                self.max_model_len, self.backend.dtype,
+                extra_models=[(self.draft.model, draft[1])] if draft else (), extra_bytes_per_block=draft_bytes)
         self.cache = CacheEngine(self.model_config, cache_config, self.backend.ops, self.backend.dtype,
                                  gpu_num_blocks=gpu_blocks, extra_bytes_per_block=draft_bytes)
-        self.draft = (DraftModel(draft[0], draft[1], self.backend.ops, self.backend.dtype, cache_config,
-                                 self.cache.num_blocks, self.cache.num_cpu_blocks, self.max_model_len)
-                      if draft else None)
+        if self.draft is not None:
+            self.draft.attach_pool(cache_config, self.cache.num_blocks, self.cache.num_cpu_blocks)
         if kv_allocator == "contiguous":   # the "traditional" baseline of the paper
             self.block_manager = ContiguousBlockManager(self.cache.num_blocks, block_size, self.max_model_len,
                                                         reserve=contiguous_reserve)
@@ -325,11 +329,14 @@ class LLMEngine:
         num_emitted = 0
         for item, accepted, verified in verdicts:
             seq = item.seq
+            emitted = 0
             for result in verified:           # the drafts that stood, then the model's own token
                 self.output_processor.append(item.group, seq, result)
-                num_emitted += 1
+                emitted += 1
                 if seq.is_finished():
                     break
+            num_emitted += emitted
+            self.spec.record(seq, len(item.draft_token_ids), accepted, emitted)
             seq.num_computed_tokens = min(seq.num_computed_tokens + accepted, seq.num_tokens - 1)
             # the draft's pool keeps only the positions that stood
             seq.draft_num_computed_tokens = min(seq.draft_num_computed_tokens, seq.num_computed_tokens)
@@ -351,6 +358,11 @@ class LLMEngine:
         return len(model_input.sampled) + num_emitted
 
     # ------------------------------------------------------------------ stats
+    @property
+    def _bytes_per_block_all_pools(self) -> int:
+        """What moving one block id moves: its bytes in every pool (a draft model's too)."""
+        return self.cache.bytes_per_block + (self.draft.cache.bytes_per_block if self.draft else 0)
+
     def get_stats(self) -> dict:
         bm, sched = self.block_manager, self.scheduler
         return self.metrics.snapshot(
@@ -367,10 +379,11 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             num_preemptions_swap=sched.num_preemptions_swap,
             num_preemptions_recompute=sched.num_preemptions_recompute,
+            num_preemptions_partial=sched.num_preemptions_partial,
             blocks_swapped_out=sched.blocks_swapped_out,
             blocks_swapped_in=sched.blocks_swapped_in,
-            bytes_swapped_out=sched.blocks_swapped_out * self.cache.bytes_per_block,
-            bytes_swapped_in=sched.blocks_swapped_in * self.cache.bytes_per_block,
+            bytes_swapped_out=sched.blocks_swapped_out * self._bytes_per_block_all_pools,
+            bytes_swapped_in=sched.blocks_swapped_in * self._bytes_per_block_all_pools,
             prefix_cache_queries=bm.cache.queries if bm.cache else 0,
             prefix_cache_hits=bm.cache.hits if bm.cache else 0,
             prefix_cache_hit_rate=bm.cache.hit_rate if bm.cache else 0.0,

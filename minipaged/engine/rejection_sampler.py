@@ -13,8 +13,14 @@ block table back past the squashed positions (BlockManager.rollback).
   drawn from q_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first
   rejection the token is drawn from norm(max(0, p_i - q_i)) instead, and nothing after it
   stands; if all k stand, one more token is drawn from p_k. Every emitted token is then
-  distributed exactly as the target alone would draw it. An n-gram draft is one-hot (q_i(x_i) =
-  1): it stands with probability p_i(x_i), and a rejection draws from p_i without x_i.
+  distributed exactly as the target alone would draw it.
+- One-hot drafts (n-gram lookup, q_i(x_i) = 1): the rule says x_i stands with probability
+  p_i(x_i), and a rejection draws from p_i without x_i. ``verify_coupled`` carries it out by
+  drawing the token the target itself would draw at that position, t_i from p_i, with the one
+  uniform number it would use, and letting x_i stand iff t_i = x_i: P(stand) = p_i(x_i), and a
+  rejected position emits t_i, distributed as p_i without x_i. It uses one uniform number per
+  emitted token, as decoding without speculation does, so a seeded request gives the very
+  tokens it gives without speculation, whatever the draft lengths or the batch.
 """
 
 from __future__ import annotations
@@ -47,6 +53,17 @@ def draw(probs: np.ndarray, generator: np.random.Generator) -> int:
     while probs[token] == 0.0:     # a rounding edge landed on a removed token
         token -= 1
     return token
+
+
+def verify_coupled(target_probs: np.ndarray, draft_token_ids, generator: np.random.Generator) -> Verdict:
+    """The rule for one-hot drafts: target_probs (k + 1, V) float64; each position's token is
+    drawn as the target would draw it (one uniform), and its draft stands iff they agree."""
+    k = len(draft_token_ids)
+    for i in range(k):
+        token = draw(target_probs[i], generator)
+        if token != int(draft_token_ids[i]):
+            return Verdict(i, [int(t) for t in draft_token_ids[:i]] + [token])
+    return Verdict(k, [int(t) for t in draft_token_ids] + [draw(target_probs[k], generator)])
 
 
 def verify_sampled(target_probs: np.ndarray, draft_token_ids, generator: np.random.Generator,

@@ -12,8 +12,8 @@ Prefix-cache names never cover a draft: a block is named only once its tokens ar
 and accepted.
 
 Draft length. With ``adaptive`` (the default) each sequence keeps a running acceptance rate
-a, the share of its drafted tokens that stood (decayed by ``DECAY`` each step; it starts at
-0.5). If each draft stands with probability a, k drafts yield E(k) = (1 - a^(k+1)) / (1 - a)
+a, the share of its drafted tokens that stood (the past weighted by ``DECAY`` at each of its
+verifications; it starts at 0.5). If each draft stands with probability a, k drafts yield E(k) = (1 - a^(k+1)) / (1 - a)
 tokens a step. A step's cost grows with its query rows: on a CPU the weights are read once
 whatever the rows, and each row adds arithmetic, so a batch of B decodes costs about
 ``STEP_FIXED_ROWS + B`` rows' worth, and k more rows for one sequence cost c = B /
@@ -36,7 +36,7 @@ import numpy as np
 from ..config import SpeculativeConfig
 from ..sequence import Sequence, SequenceGroup
 from .ngram_proposer import propose_ngram
-from .rejection_sampler import Verdict, verify_greedy, verify_sampled
+from .rejection_sampler import Verdict, verify_coupled, verify_greedy, verify_sampled
 from .sampler import SampleRequest, SampleResult, shaped_probs, to_host
 
 # A decode step's fixed cost (reading every weight once), in query rows of arithmetic: on the
@@ -85,9 +85,10 @@ class Acceptance:
 @dataclass
 class SpecDecodeStats:
     draft_tokens: int = 0        # drafts the model verified
-    accepted_tokens: int = 0     # drafts that stood
+    accepted_tokens: int = 0     # drafts that stood (the model agreed with them)
     verify_steps: int = 0        # (sequence, step) pairs that verified at least one draft
-    emitted_tokens: int = 0      # tokens those steps produced (accepted + the model's own one)
+    emitted_tokens: int = 0      # tokens those steps put in the output (accepted + the model's own
+                                 # one, fewer if a stop rule ended the sequence among them)
 
     def as_dict(self) -> dict:
         return {"num_draft_tokens": self.draft_tokens, "num_accepted_tokens": self.accepted_tokens,
@@ -154,17 +155,22 @@ class SpeculativeDecoder:
             verdict: Verdict = verify_greedy(to_host(adjusted.argmax(axis=-1)), drafts)
         else:
             probs = np.stack([to_host(shaped_probs(adjusted[i], params, sampler.xp)) for i in range(k + 1)])
-            verdict = verify_sampled(probs, drafts, generator, draft_probs)
+            verdict = (verify_coupled(probs, drafts, generator) if draft_probs is None
+                       else verify_sampled(probs, drafts, generator, draft_probs))
         n = len(verdict.token_ids)
-        results = sampler.results(logits[:n], verdict.token_ids, requests[:n])
+        return verdict.num_accepted, sampler.results(logits[:n], verdict.token_ids, requests[:n])
+
+    def record(self, seq: Sequence, k: int, accepted: int, emitted: int) -> None:
+        """After a verdict's tokens were appended: ``accepted`` of ``k`` drafts stood (what the
+        model agreed with: the rate the adaptive rule follows, and the acceptance counters);
+        ``emitted`` tokens reached the output (fewer when a stop rule fired among them: the
+        mean accepted length counts only those)."""
         record = self.records.setdefault(seq.seq_id, Acceptance())
-        tried = verdict.num_accepted + (verdict.num_accepted < k)   # draws until the first rejection
-        record.update(verdict.num_accepted, tried)
+        record.update(accepted, accepted + (accepted < k))    # tried: up to the first rejection
         self.stats.draft_tokens += k
-        self.stats.accepted_tokens += verdict.num_accepted
+        self.stats.accepted_tokens += accepted
         self.stats.verify_steps += 1
-        self.stats.emitted_tokens += n
-        return verdict.num_accepted, results
+        self.stats.emitted_tokens += emitted
 
     def observe(self, seqs: list[Sequence]) -> None:
         """After a step: a guess made but not drafted (k = 0) is checked against the token the

@@ -49,10 +49,11 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
                         "with chunked prefill max(2048, max_num_seqs))")
     g.add_argument("--swap-space", type=float, default=4.0,
                    help="GiB of CPU memory for KV blocks swapped out by preemption")
-    g.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"],
+    g.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute", "partial"],
                    help="how a preempted request gives its blocks back: swap them to CPU memory, "
-                        "drop them and recompute later, or auto (swap unless short or the swap "
-                        "space is full)")
+                        "drop them and recompute later, auto (swap unless short or the swap "
+                        "space is full), or partial (demand paging: swap out only the blocks the "
+                        "step lacks, its tail first)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
                    help="split long prompts into chunks that share steps with running decodes")
     g.add_argument("--num-scheduler-steps", type=int, default=1,

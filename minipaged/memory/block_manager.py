@@ -8,6 +8,10 @@ speculation did not need (``rollback``), pages a whole process out to swap and
 back (``swap_out`` / ``swap_in``) and releases everything when it exits (``free``). It never touches the KV data itself: swapping returns a
 plan of (source block, destination block) pairs that the cache engine executes,
 the way a kernel programs a DMA engine.
+
+Demand paging: a swap-out may move only some of a sequence's blocks (``swap_out(group,
+max_blocks=k)``, the tail first); each table entry's present bit says which pool its
+block is in, and ``swap_in`` brings back exactly the entries that are out.
 """
 
 from __future__ import annotations
@@ -40,8 +44,7 @@ class BlockManager:
         # Keep a few blocks free when admitting new prompts, so running
         # sequences can still grow right after an admission (no thrashing).
         self.watermark_blocks = int(watermark * num_blocks)
-        self.tables: dict[int, BlockTable] = {}  # seq_id -> its page table (device or CPU blocks)
-        self.on_cpu: set[int] = set()            # seq_ids whose table points into the swap pool
+        self.tables: dict[int, BlockTable] = {}  # seq_id -> its page table (device and/or CPU blocks)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -60,7 +63,21 @@ class BlockManager:
     def num_mapped_blocks(self) -> int:
         """Device blocks all page tables map, shared ones counted per holder: what the
         same sequences would occupy if nothing were shared."""
-        return sum(len(t.block_ids) for sid, t in self.tables.items() if sid not in self.on_cpu)
+        return sum(t.num_present for t in self.tables.values())
+
+    def is_resident(self, seq: Sequence | int) -> bool:
+        """Has the sequence a table with every entry present (so it can run)?"""
+        table = self.tables.get(seq if isinstance(seq, int) else seq.seq_id)
+        return table is not None and table.resident
+
+    @property
+    def on_cpu(self) -> set[int]:
+        """The sequences with at least one block paged out (swapped, wholly or partly)."""
+        return {sid for sid, t in self.tables.items() if not t.resident}
+
+    def pool(self, present: bool) -> BlockAllocator:
+        """The allocator a table entry's block belongs to: device if present, else the swap pool."""
+        return self.allocator if present else self.cpu_allocator
 
     def block_table(self, seq: Sequence) -> list[int]:
         return self.tables[seq.seq_id].block_ids
@@ -68,12 +85,15 @@ class BlockManager:
     def slot(self, seq: Sequence, position: int) -> int:
         return self.tables[seq.seq_id].slot(position)
 
-    def _blocks_of(self, group: SequenceGroup) -> list[int]:
-        """The distinct physical blocks the group's live sequences hold (shared ones once)."""
-        seen: dict[int, None] = {}
+    def _blocks_of(self, group: SequenceGroup, present: bool | None = None) -> list[tuple[bool, int]]:
+        """The distinct (present, physical block) entries the group's live sequences hold
+        (shared ones once), or only those in one pool."""
+        seen: dict[tuple[bool, int], None] = {}
         for seq in group.unfinished_seqs():
-            for block in self.tables[seq.seq_id].block_ids:
-                seen[block] = None
+            table = self.tables[seq.seq_id]
+            for block, here in zip(table.block_ids, table.present):
+                if present is None or here == present:
+                    seen[(here, block)] = None
         return list(seen)
 
     def num_new_blocks(self, seqs: list[Sequence], num_lookahead: int = 0) -> int:
@@ -89,9 +109,9 @@ class BlockManager:
     def _shared_write_block(self, seq: Sequence) -> int | None:
         """Index in the table of a shared block this sequence's next write lands in, if any."""
         table = self.tables[seq.seq_id]
-        pool = self.cpu_allocator if seq.seq_id in self.on_cpu else self.allocator  # sharing survives swaps
         index = seq.num_computed_tokens // self.block_size   # the first position written now
-        if index < len(table) and pool.ref_counts[table.block_ids[index]] > 1:
+        # sharing survives swaps: the ref count is the one of the pool the block is in
+        if index < len(table) and self.pool(table.present[index]).ref_counts[table.block_ids[index]] > 1:
             return index
         return None
 
@@ -180,7 +200,7 @@ class BlockManager:
         admitted later in the same step may then share them, as its attention reads
         them after this step's KV writes (every layer writes before it attends).
         """
-        if self.cache is None or seq.seq_id in self.on_cpu:
+        if self.cache is None or not self.is_resident(seq):
             return
         table = self.tables[seq.seq_id]
         full = min(num_tokens // self.block_size, len(table))
@@ -198,8 +218,9 @@ class BlockManager:
         """The child's table points at the parent's blocks; each gains a holder."""
         assert child.seq_id not in self.tables, f"sequence {child.seq_id} is already allocated"
         self.tables[child.seq_id] = self.tables[parent.seq_id].copy()
-        for block in self.tables[child.seq_id].block_ids:
-            self.allocator.incref(block)
+        table = self.tables[child.seq_id]
+        for block, present in zip(table.block_ids, table.present):
+            self.pool(present).incref(block)
 
     # ------------------------------------------------------------------ growth
     def can_append_slots(self, seqs: list[Sequence], num_lookahead: int = 0) -> bool:
@@ -233,9 +254,9 @@ class BlockManager:
         name covers them (names cover computed tokens only)."""
         table = self.tables[seq.seq_id]
         assert len(table.names) * self.block_size <= num_tokens, "a rollback into named (cached) blocks"
-        pool = self.cpu_allocator if seq.seq_id in self.on_cpu else self.allocator
+        assert table.resident, "a rollback of a sequence that is paged out"
         for block_id in table.truncate(num_tokens):
-            pool.free(block_id)
+            self.allocator.free(block_id)
 
     def _grow(self, seq: Sequence, num_slots: int) -> None:
         table = self.tables[seq.seq_id]
@@ -244,44 +265,75 @@ class BlockManager:
                 table.append_block(self.allocator.allocate())
             table.add_token()
 
-    # ------------------------------------------------------------------ swapping
-    def can_swap_out(self, group: SequenceGroup) -> bool:
-        return len(self._blocks_of(group)) <= self.cpu_allocator.num_free
+    # ------------------------------------------------------------------ swapping (paging)
+    def movable_blocks(self, group: SequenceGroup) -> list[int]:
+        """The group's present blocks no other request holds, in the order a partial swap-out
+        takes them: each sequence's tail first (the newest tokens, last to be read again by
+        a prefix hit and first to be rewritten), latest logical block first. Paging out one
+        of them frees a device block; a block shared with another request (a prefix-cache
+        hit) would only be copied, so it stays."""
+        holders: dict[int, int] = {}
+        tails: list[tuple[int, int]] = []        # (-logical index, block): deepest first
+        for seq in group.unfinished_seqs():
+            table = self.tables[seq.seq_id]
+            for i, (block, present) in enumerate(zip(table.block_ids, table.present)):
+                if present:
+                    holders[block] = holders.get(block, 0) + 1
+                    tails.append((-i, block))
+        order: dict[int, None] = {}
+        for _, block in sorted(tails, key=lambda t: t[0]):
+            if self.allocator.ref_counts[block] == holders[block]:
+                order[block] = None
+        return list(order)
 
-    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+    def can_swap_out(self, group: SequenceGroup, max_blocks: int | None = None) -> bool:
+        """Room in the swap pool for the blocks ``swap_out`` would move."""
+        moving = len(self._blocks_of(group, present=True)) if max_blocks is None else \
+            min(max_blocks, len(self.movable_blocks(group)))
+        return moving <= self.cpu_allocator.num_free
+
+    def swap_out(self, group: SequenceGroup, max_blocks: int | None = None) -> list[tuple[int, int]]:
         """Page the group out: CPU blocks replace its device blocks in every table.
 
+        ``max_blocks=None``: every present block (a whole swap; a block shared with another
+        request is copied, the other keeps the device copy). ``max_blocks=k``: only the first k
+        of ``movable_blocks`` (demand paging: the tail first); the rest stay resident.
         Returns the copy plan [(device block, CPU block)]; a block shared by several
         sequences is copied once and stays shared on the CPU side.
         """
-        return self._move(group, self.allocator, self.cpu_allocator, to_cpu=True)
+        chosen = None if max_blocks is None else set(self.movable_blocks(group)[:max_blocks])
+        return self._move(group, to_cpu=True, only=chosen)
+
+    def missing_blocks(self, group: SequenceGroup) -> int:
+        """Distinct blocks of the group that are paged out (what a swap-in copies back)."""
+        return len(self._blocks_of(group, present=False))
 
     def can_swap_in(self, group: SequenceGroup, num_lookahead: int = 0) -> bool:
-        """Room for its blocks and their next growth, leaving the watermark free."""
-        needed = len(self._blocks_of(group)) + self.num_new_blocks(group.unfinished_seqs(), num_lookahead)
+        """Room for its paged-out blocks and their next growth, leaving the watermark free."""
+        needed = self.missing_blocks(group) + self.num_new_blocks(group.unfinished_seqs(), num_lookahead)
         return self.num_free_blocks - needed >= self.watermark_blocks
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
-        """Page the group back in; returns the copy plan [(CPU block, device block)]."""
-        return self._move(group, self.cpu_allocator, self.allocator, to_cpu=False)
+        """Page back in exactly the entries that are out; returns the copy plan [(CPU block, device block)]."""
+        return self._move(group, to_cpu=False)
 
-    def _move(self, group: SequenceGroup, src: BlockAllocator, dst: BlockAllocator,
-              to_cpu: bool) -> list[tuple[int, int]]:
+    def _move(self, group: SequenceGroup, to_cpu: bool, only: set[int] | None = None) -> list[tuple[int, int]]:
+        """Move the group's entries that are in the source pool (``only``: just these source
+        blocks) to the other pool, flipping their present bits."""
+        src, dst = (self.allocator, self.cpu_allocator) if to_cpu else (self.cpu_allocator, self.allocator)
         mapping: dict[int, int] = {}  # source block -> destination block
         for seq in group.unfinished_seqs():
             table = self.tables[seq.seq_id]
-            assert (seq.seq_id in self.on_cpu) != to_cpu, f"sequence {seq.seq_id} is already there"
             for i, block in enumerate(table.block_ids):
+                if table.present[i] != to_cpu or (only is not None and block not in only):
+                    continue              # already in the destination pool, or not chosen
                 if block in mapping:
                     dst.incref(mapping[block])
                 else:
                     mapping[block] = dst.allocate()
                 table.block_ids[i] = mapping[block]
+                table.present[i] = not to_cpu
                 src.free(block)
-            if to_cpu:
-                self.on_cpu.add(seq.seq_id)
-            else:
-                self.on_cpu.discard(seq.seq_id)
         return list(mapping.items())
 
     # ------------------------------------------------------------------ accounting hooks
@@ -301,27 +353,26 @@ class BlockManager:
         table = self.tables.pop(seq.seq_id, None)
         if table is None:
             return
-        pool = self.cpu_allocator if seq.seq_id in self.on_cpu else self.allocator
-        self.on_cpu.discard(seq.seq_id)
-        for block_id in reversed(table.block_ids):
-            pool.free(block_id)
+        for block_id, present in zip(reversed(table.block_ids), reversed(table.present)):
+            self.pool(present).free(block_id)
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self, seqs: list[Sequence] | None = None) -> None:
-        """In each pool: ref count == number of tables holding the block; free blocks are held by none."""
-        for pool, on_cpu in ((self.allocator, False), (self.cpu_allocator, True)):
+        """In each pool: ref count == number of table entries holding the block (an entry's
+        present bit says which pool); free blocks are held by none. Tables may mix pools."""
+        for table in self.tables.values():
+            table.check_invariants()
+        for pool, present in ((self.allocator, True), (self.cpu_allocator, False)):
             pool.check_invariants()
             holders = [0] * pool.num_blocks
-            for seq_id, table in self.tables.items():
-                if (seq_id in self.on_cpu) == on_cpu:
-                    table.check_invariants()
-                    for block_id in table.block_ids:
+            for table in self.tables.values():
+                for block_id, here in zip(table.block_ids, table.present):
+                    if here == present:
                         holders[block_id] += 1
             for block_id, count in enumerate(holders):
                 assert count == pool.ref_counts[block_id], (
-                    f"{pool.name} block {block_id}: {count} tables hold it but its ref count is "
+                    f"{pool.name} block {block_id}: {count} table entries hold it but its ref count is "
                     f"{pool.ref_counts[block_id]}")
-        assert self.on_cpu <= set(self.tables), "a swapped-out sequence has no table"
         if self.cache is not None:
             assert set(self.cache.block_of.values()) == set(self.cache.name_of)
             assert all(self.cache.block_of[n] == b for b, n in self.cache.name_of.items())
@@ -332,7 +383,7 @@ class BlockManager:
             assert table.num_tokens >= seq.num_computed_tokens, (
                 f"sequence {seq.seq_id} has {seq.num_computed_tokens} cached tokens but "
                 f"only {table.num_tokens} slots")
-            if self.cache is not None and seq.seq_id not in self.on_cpu:
+            if self.cache is not None and table.resident:
                 size, tokens = self.block_size, seq.token_ids
                 for i, block in enumerate(table.block_ids):   # a named block holds exactly its tokens
                     if block in self.cache.name_of and (i + 1) * size <= seq.num_computed_tokens:

@@ -4,6 +4,11 @@ Logical block i of a sequence (its tokens ``i*block_size .. (i+1)*block_size-1``
 lives in physical block ``block_ids[i]``, anywhere in the pool. ``fills[i]`` says
 how many of its slots hold tokens: every block but the last is full, exactly as
 a process's pages are all in use except the tail of its heap.
+
+``present[i]`` is the page-table entry's present bit: True when ``block_ids[i]`` is a
+block of the device pool, False when the block was paged out and ``block_ids[i]`` is
+its block in the CPU swap pool. A table may mix both (demand paging); a sequence
+runs only when every entry is present.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ class BlockTable:
         self.block_ids: list[int] = []  # (num_logical_blocks,) physical block of each logical block
         self.fills: list[int] = []      # (num_logical_blocks,) slots in use in each block
         self.names: list[int] = []      # prefix caching: chain hashes of the leading full, computed blocks
+        self.present: list[bool] = []   # (num_logical_blocks,) True: a device block; False: paged out (a CPU block)
 
     @property
     def num_tokens(self) -> int:
@@ -26,13 +32,24 @@ class BlockTable:
     def __len__(self) -> int:
         return len(self.block_ids)
 
+    @property
+    def resident(self) -> bool:
+        """Every entry present: the sequence can run."""
+        return all(self.present)
+
+    @property
+    def num_present(self) -> int:
+        return sum(self.present)
+
     def needs_new_block(self) -> bool:
         """The next token has no slot yet: the table is empty or its last block is full."""
         return not self.fills or self.fills[-1] == self.block_size
 
     def append_block(self, block_id: int) -> None:
+        """Map the next logical block to a device block (a new page is always present)."""
         self.block_ids.append(block_id)
         self.fills.append(0)
+        self.present.append(True)
 
     def add_token(self) -> None:
         """Claim the next slot of the last block (the caller ensured there is one)."""
@@ -47,6 +64,7 @@ class BlockTable:
             excess = self.num_tokens - num_tokens
             if self.fills[-1] <= excess:
                 self.fills.pop()
+                self.present.pop()
                 removed.append(self.block_ids.pop())
             else:
                 self.fills[-1] -= excess
@@ -58,15 +76,17 @@ class BlockTable:
         twin.block_ids = list(self.block_ids)
         twin.fills = list(self.fills)
         twin.names = list(self.names)
+        twin.present = list(self.present)
         return twin
 
     def slot(self, position: int) -> int:
-        """Physical slot of a token position: frame * page_size + offset."""
+        """Physical slot of a token position: frame * page_size + offset (of a present block)."""
         block_index, offset = divmod(position, self.block_size)
+        assert self.present[block_index], f"position {position} is in a block that is paged out"
         return self.block_ids[block_index] * self.block_size + offset
 
     def check_invariants(self, expected_tokens: int | None = None) -> None:
-        assert len(self.block_ids) == len(self.fills)
+        assert len(self.block_ids) == len(self.fills) == len(self.present)
         assert all(f == self.block_size for f in self.fills[:-1]), "a block before the last is not full"
         assert not self.fills or 0 < self.fills[-1] <= self.block_size, "the last block is empty"
         assert sum(self.fills) == self.num_tokens

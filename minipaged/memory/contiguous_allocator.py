@@ -100,7 +100,7 @@ class ContiguousBlockManager(BlockManager):
     def reserved_blocks(self, seq: Sequence) -> list[int]:
         return self.reserved.get(seq.seq_id, [])
 
-    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+    def swap_out(self, group: SequenceGroup, max_blocks: int | None = None) -> list[tuple[int, int]]:
         raise RuntimeError("the contiguous allocator never preempts: growth is reserved up front")
 
     def check_invariants(self, seqs: list[Sequence] | None = None) -> None:

@@ -49,7 +49,7 @@ def measure(block_manager, scheduler, max_model_len: int) -> KVBreakdown:
         params = group.sampling_params
         for seq in group.unfinished_seqs():
             table = block_manager.tables.get(seq.seq_id)
-            if table is None or seq.seq_id in block_manager.on_cpu:
+            if table is None or not table.resident:
                 continue
             horizon = max(seq.num_prompt_tokens,
                           min(seq.num_prompt_tokens + params.max_tokens, max_model_len) - 1)

@@ -5,9 +5,7 @@ by recomputation), ``running`` (holding device blocks) and ``swapped`` (their
 blocks paged out to the CPU pool). Every step builds one batch within two
 budgets, ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens:
 
-1. running requests, earliest first, each get their next token (and, with
-   speculative decoding, a slot for each draft token while blocks and the token
-   budget allow: drafts give way before anyone is preempted); if one needs a
+1. running requests, earliest first, each get their next token; if one needs a
    new block and none is free, the most recent arrival is preempted (swapped out
    or dropped for recomputation) until the earlier ones fit, as an OS pages out
    or kills its youngest process rather than let everyone starve;
@@ -15,10 +13,20 @@ budgets, ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens:
    next chunk from what is left of the token budget;
 3. swapped requests come back, earliest first, before anything new;
 4. new requests are admitted in arrival order while blocks and budgets allow;
-   the first that does not fit blocks the rest (strict FCFS).
+   the first that does not fit blocks the rest (strict FCFS);
+5. with speculative decoding, the decodes' draft tokens get slots from what is
+   left, earliest request first: drafts are optional work, so they never cost
+   anyone a block, a prefill chunk or an admission.
 
 Nothing comes back or is admitted in a step that had to preempt: memory is
 tight, so the survivors run first.
+
+Demand paging (``preemption_mode="partial"``): the victim gives up only the blocks the
+step lacks, its tail first, and keeps the rest resident; it waits in the swapped queue,
+suspended, until its missing blocks are swapped back in, before anything new is admitted.
+If the request at the head of that queue cannot come back because later suspended ones
+hold the blocks it needs, those are paged out whole (or, without swap space, recomputed):
+nobody waits on a request that is itself waiting.
 """
 
 from __future__ import annotations
@@ -86,6 +94,7 @@ class Scheduler:
 
     def reset_counters(self) -> None:
         self.num_preemptions_swap = 0
+        self.num_preemptions_partial = 0      # swaps that paged out only what a step lacked
         self.num_preemptions_recompute = 0
         self.blocks_swapped_out = 0
         self.blocks_swapped_in = 0
@@ -127,31 +136,34 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
-        # 1. Running sequences that decode get one slot each, earliest request first (and,
-        #    speculating, one per draft token: slots that a full pool gives up first).
+        # Draft tokens (speculative decoding) wait until everything else is placed (step 5).
+        drafts = {s.seq_id: s.draft_token_ids for g in self.running for s in self._decoding(g)
+                  if s.draft_token_ids}
+        for group in self.running:
+            for seq in group.seqs:
+                seq.draft_token_ids = []
+
+        # 1. Running sequences that decode get one slot each, earliest request first.
         queue = deque(g for g in self.running if self._decoding(g))
         prefilling = [g for g in self.running if self._prefilling(g)]
-        still_to_decode = sum(len(self._decoding(g)) for g in queue)   # one token each, reserved
         while queue:
             group = queue.popleft()
             seqs = self._decoding(group)
-            still_to_decode -= len(seqs)
-            if not self._slots_fit(seqs):
-                for seq in seqs:          # no room to speculate: plain decodes first
-                    seq.draft_token_ids = []
             while not self._slots_fit(seqs):
+                lacking = self._blocks_needed(seqs) - self.block_manager.num_free_blocks
+                if self.config.preemption_mode == "partial" and self._page_out_suspended(lacking, out):
+                    continue              # blocks taken from requests that wait anyway
                 # Out of blocks: evict the latest arrival (possibly this group itself).
                 victim = max([group, *queue, *prefilling], key=lambda g: g.arrival_index)
                 if victim in queue:
                     queue.remove(victim)
-                    still_to_decode -= len(self._decoding(victim))
                 if victim in prefilling:
                     prefilling.remove(victim)
-                self._preempt(victim, out)
+                self._preempt(victim, out, lacking=lacking)
                 if victim is group:
                     break
             else:
-                budget -= self._schedule_decodes(group, out, spare=budget - len(seqs) - still_to_decode)
+                budget -= self._schedule_decodes(group, out)
 
         # 2. Running requests still reading their prompt get their next chunk.
         for group in prefilling:
@@ -161,7 +173,11 @@ class Scheduler:
         # 3. Swapped requests come back, earliest first, before anything new.
         while self.swapped and not out.preempted:
             group = self.swapped[0]
-            if (not self.block_manager.can_swap_in(group) or not self._fits(group, budget)
+            if not self._can_resume(group):
+                # demand paging: never wait on a request that itself waits (later suspended
+                # requests give up what the head lacks)
+                self._page_out_suspended(self._resume_lack(group), out, exclude=group)
+            if (not self._can_resume(group) or not self._fits(group, budget)
                     or self.num_running_seqs() + group.num_seqs_reserved() > self.config.max_num_seqs):
                 break
             self._insert(self.running, self.swapped.pop(0))
@@ -189,6 +205,9 @@ class Scheduler:
             budget -= self._schedule_decodes(group, out)
             budget -= self._schedule_prefill(group, budget, out)
 
+        # 5. Draft tokens take the slots and the budget left, earliest request first.
+        if drafts and not out.preempted:
+            self._place_drafts(out, drafts, budget)
         self._reserve_lookahead(out)
         return out
 
@@ -236,27 +255,43 @@ class Scheduler:
         needs_prefill = bool(self._prefilling(group))
         return decodes <= budget and (not needs_prefill or self._prefill_tokens(group, budget - decodes) > 0)
 
+    def _blocks_needed(self, seqs: list[Sequence]) -> int:
+        """New blocks these decodes need for their newest tokens and their draft tokens' slots."""
+        return sum(self.block_manager.num_new_blocks([s], len(s.draft_token_ids)) for s in seqs)
+
     def _slots_fit(self, seqs: list[Sequence]) -> bool:
         """Free blocks for these decodes' newest tokens and their draft tokens' slots?"""
-        needed = sum(self.block_manager.num_new_blocks([s], len(s.draft_token_ids)) for s in seqs)
-        return needed <= self.block_manager.num_free_blocks
+        return self._blocks_needed(seqs) <= self.block_manager.num_free_blocks
 
-    def _schedule_decodes(self, group: SequenceGroup, out: SchedulerOutput, spare: int = 0) -> int:
-        """One slot (copy-on-write if shared) and one token for each decoding sequence, plus a
-        slot per draft token while ``spare`` tokens of the step's budget last; returns the tokens.
-        Only the newest token's block may be named for prefix caching: drafts may be rejected."""
+    def _schedule_decodes(self, group: SequenceGroup, out: SchedulerOutput) -> int:
+        """One slot (copy-on-write if shared) and one token for each decoding sequence."""
         seqs = self._decoding(group)
-        used = 0
         for seq in seqs:
-            drafts = seq.draft_token_ids[:max(spare, 0)]
-            seq.draft_token_ids = drafts
-            spare -= len(drafts)
-            out.blocks_to_copy.extend(self.block_manager.append_slots(seq, len(drafts)))
-            out.scheduled.append(ScheduledSeq(group, seq, 1 + len(drafts), do_sample=True, is_prefill=False,
-                                              draft_token_ids=list(drafts)))
+            out.blocks_to_copy.extend(self.block_manager.append_slots(seq))
+            out.scheduled.append(ScheduledSeq(group, seq, 1, do_sample=True, is_prefill=False))
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + 1)
-            used += 1 + len(drafts)
-        return used
+        return len(seqs)
+
+    def _place_drafts(self, out: SchedulerOutput, drafts: dict[int, list[int]], budget: int) -> None:
+        """Give the scheduled decodes their draft tokens, earliest request first, each trimmed to
+        the token budget and the free blocks left: a slot per draft, mapped ahead of the newest
+        token's (``append_slots`` with a lookahead). Only the newest token's block was named for
+        prefix caching: the drafts may be rejected."""
+        bm = self.block_manager
+        for item in out.scheduled:
+            wanted = drafts.get(item.seq.seq_id)
+            if item.is_prefill or not wanted or budget <= 0:
+                continue
+            k = min(len(wanted), budget)
+            while k and bm.num_new_blocks([item.seq], k) > bm.num_free_blocks:
+                k -= 1
+            if not k:
+                continue
+            bm.append_slots(item.seq, k)      # the newest token's block is already private
+            item.seq.draft_token_ids = list(wanted[:k])
+            item.draft_token_ids = list(wanted[:k])
+            item.num_new_tokens = 1 + k
+            budget -= k
 
     def _schedule_prefill(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
         """Schedule the group's next prompt tokens; returns how many."""
@@ -294,15 +329,19 @@ class Scheduler:
             out.blocks_to_copy.extend(self.block_manager.append_slots(item.seq, lookahead[item.seq.seq_id]))
         out.num_steps = steps
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """Take the group's device blocks back, by swapping or by recomputation."""
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput, lacking: int | None = None) -> None:
+        """Take the group's device blocks back, by swapping or by recomputation; with
+        preemption_mode "partial", only the ``lacking`` blocks the step needs (demand paging)."""
         mode = self.config.preemption_mode
         for seq in group.unfinished_seqs():
             seq.draft_token_ids = []      # guesses for a step it will not run
         tokens = sum(s.num_tokens for s in group.unfinished_seqs())
         if mode == "auto" and tokens <= AUTO_RECOMPUTE_MAX_TOKENS:
             mode = "recompute"
-        if mode != "recompute" and not self.block_manager.can_swap_out(group):
+        limit = max(lacking, 1) if mode == "partial" and lacking is not None else None
+        if limit is not None and not self.block_manager.movable_blocks(group):
+            limit = None        # every block is shared with another request: page it all out
+        if mode != "recompute" and not self.block_manager.can_swap_out(group, limit):
             mode = "recompute"  # the CPU pool cannot hold it: recomputation always works
         if mode == "recompute":
             for seq in group.unfinished_seqs():
@@ -311,13 +350,59 @@ class Scheduler:
             self._insert(self.waiting, group)
             self.num_preemptions_recompute += 1
         else:
-            mapping = self.block_manager.swap_out(group)
+            mapping = self.block_manager.swap_out(group, limit)
             out.blocks_to_swap_out.extend(mapping)
             self.blocks_swapped_out += len(mapping)
             group.set_status(SequenceStatus.SWAPPED)
             self._insert(self.swapped, group)
             self.num_preemptions_swap += 1
+            self.num_preemptions_partial += limit is not None
         out.preempted.append(group)
+
+    def _headroom(self) -> int:
+        """Demand paging: blocks a resumed request must leave free, one per decoding sequence
+        (each needs at most one new block in the next block_size steps), so that resuming it
+        does not force the next step to page it out again (thrashing)."""
+        if self.config.preemption_mode != "partial":
+            return 0
+        return sum(len(self._decoding(g)) for g in self.running)
+
+    def _resume_lack(self, group: SequenceGroup) -> int:
+        """Blocks missing for the group to come back with the headroom."""
+        bm = self.block_manager
+        needed = bm.missing_blocks(group) + bm.num_new_blocks(group.unfinished_seqs()) + bm.watermark_blocks
+        return needed + self._headroom() - bm.num_free_blocks
+
+    def _can_resume(self, group: SequenceGroup) -> bool:
+        return self.block_manager.can_swap_in(group) and self._resume_lack(group) <= 0
+
+    def _page_out_suspended(self, lacking: int, out: SchedulerOutput, exclude: SequenceGroup | None = None) -> bool:
+        """Demand paging: take up to ``lacking`` blocks from suspended requests that still hold
+        some (the latest arrival first, its tail first): they wait anyway, and they arrived
+        after everyone running. Without swap space for them they are recomputed. Returns
+        whether any block was freed."""
+        freed = 0
+        for group in sorted(self.swapped, key=lambda g: -g.arrival_index):
+            if freed >= lacking:
+                break
+            if group is exclude or not self.block_manager.movable_blocks(group):
+                continue
+            take = lacking - freed
+            movable = len(self.block_manager.movable_blocks(group))
+            if self.block_manager.can_swap_out(group, take):
+                mapping = self.block_manager.swap_out(group, take)
+                out.blocks_to_swap_out.extend(mapping)
+                self.blocks_swapped_out += len(mapping)
+                freed += len(mapping)
+            else:                          # the swap pool is full: recompute it
+                self.swapped.remove(group)
+                for seq in group.unfinished_seqs():
+                    self.block_manager.free(seq)
+                    seq.reset_for_recompute()
+                self._insert(self.waiting, group)
+                self.num_preemptions_recompute += 1
+                freed += movable
+        return freed > 0
 
     def free_finished(self) -> list[SequenceGroup]:
         """Release the blocks of finished sequences; drop finished groups from running."""

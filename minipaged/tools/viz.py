@@ -48,7 +48,7 @@ def snapshot(block_manager, sequences: dict[str, object], token_text=str) -> Poo
     tables = []
     for name, seq in sequences.items():
         table = block_manager.tables.get(seq.seq_id)
-        if table is None or seq.seq_id in block_manager.on_cpu:
+        if table is None or not table.resident:
             continue
         tokens = seq.token_ids
         view = TableView(name, [])
@@ -202,18 +202,18 @@ def kv_map(engine) -> dict:
            for b in range(bm.cpu_allocator.num_blocks)]
     tables = []
     for seq_id, table in bm.tables.items():
-        on_cpu = seq_id in bm.on_cpu
-        pool = cpu if on_cpu else device
+        on_cpu = not table.resident           # wholly or partly paged out
         name = names.get(seq_id, f"seq {seq_id}")
-        for block, fill in zip(table.block_ids, table.fills):
-            entry = pool[block]
-            entry["state"] = "swapped" if on_cpu else "used"
+        for block, fill, present in zip(table.block_ids, table.fills, table.present):
+            entry = (device if present else cpu)[block]
+            entry["state"] = "used" if present else "swapped"
             entry["fill"] = max(entry["fill"], fill)
             request = name.split(".")[0]
             if request not in entry["requests"]:
                 entry["requests"].append(request)
         tables.append({"sequence": name, "request": name.split(".")[0], "on_cpu": on_cpu,
-                       "blocks": list(table.block_ids), "fills": list(table.fills)})
+                       "blocks": list(table.block_ids), "fills": list(table.fills),
+                       "present": list(table.present)})
     cache = getattr(bm, "cache", None)
     for entry in device:
         if entry["state"] != "free":
@@ -223,7 +223,7 @@ def kv_map(engine) -> dict:
         elif entry["ref_count"] > 0:
             entry["state"] = "reserved"
     for seq_id, seq in seqs.items():               # the contiguous baseline's reserved runs
-        if seq_id in bm.tables and seq_id not in bm.on_cpu:
+        if seq_id in bm.tables and bm.tables[seq_id].resident:
             for block in bm.reserved_blocks(seq):
                 device[block]["state"] = "reserved"
                 device[block]["requests"] = [names[seq_id].split(".")[0]]
