@@ -145,3 +145,35 @@ def test_smollm2_greedy_is_unchanged_by_partial_preemption():
                 preemption_mode="partial")
     assert [o.outputs[0].token_ids for o in small.generate(prompts_, GREEDY, use_tqdm=False)] == want
     assert small.get_stats()["num_preemptions_partial"] > 0
+
+
+def test_a_preemption_moves_exactly_what_the_step_lacks():
+    """Two decodes short of one block each, a later request holding six: it gives two, its
+    tail, and keeps four resident; the swap-in brings back those two and nothing else."""
+    from minipaged.config import SchedulerConfig
+    from minipaged.scheduler.scheduler import Scheduler
+    from minipaged.sequence import SequenceStatus
+
+    m = BlockManager(10, 4, num_cpu_blocks=10, watermark=0.0)
+    scheduler = Scheduler(SchedulerConfig(64, max_num_seqs=8, max_num_batched_tokens=64,
+                                          preemption_mode="partial"), m)
+    groups = []
+    for rid, prompt_len in ((0, 8), (1, 8), (2, 24)):     # 2 + 2 + 6 full blocks: the pool is full
+        g = SequenceGroup(str(rid), [Sequence(rid, list(range(prompt_len)))], SamplingParams(max_tokens=40))
+        m.allocate(g)
+        g.seqs[0].num_computed_tokens = prompt_len
+        g.seqs[0].output_token_ids.append(1)                  # its first token: the next decode needs a block
+        g.set_status(SequenceStatus.RUNNING)
+        scheduler.add_seq_group(g)
+        groups.append(g)
+    scheduler.waiting, scheduler.running = [], list(groups)
+    plan = scheduler.schedule()
+    assert [g.request_id for g in plan.preempted] == ["2"]    # the latest arrival, once
+    assert len(plan.blocks_to_swap_out) == 2                  # what requests 0 and 1 lacked, no more
+    assert m.tables[2].present == [True] * 4 + [False] * 2    # its tail went out
+    assert m.missing_blocks(groups[2]) == 2 and scheduler.num_preemptions_partial == 1
+    for g in groups[:2]:                                       # they finish; room again
+        g.seqs[0].status = SequenceStatus.FINISHED_LENGTH
+    scheduler.free_finished()
+    plan = scheduler.schedule()
+    assert len(plan.blocks_to_swap_in) == 2 and m.is_resident(groups[2].seqs[0])
