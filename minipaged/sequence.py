@@ -52,8 +52,8 @@ class Sequence:
     # incremental detokenizer state (see detokenizer.py)
     prefix_offset: int = 0
     read_offset: int = 0
-    # speculative decoding: tokens guessed for this step, not yet verified, so not output
-    # (engine/spec_decode.py proposes them; the scheduler may trim them to what fits)
+    # speculative decoding: tokens guessed for the next step, not yet verified, so not output
+    # (engine/spec_decode.py proposes them; the scheduler takes them, placing what fits)
     draft_token_ids: list[int] = field(default_factory=list)
     # with a draft model: positions whose K/V are in the draft model's pool (its own page
     # fill; the blocks are the ones this sequence's table maps, in the draft's pool)
@@ -89,7 +89,6 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Forget the cache: everything (prompt and output) must be computed again."""
         self.num_computed_tokens = 0
-        self.draft_token_ids = []
         self.draft_num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
 

@@ -139,7 +139,6 @@ class DraftModel:
             seq = item.seq
             k = len(item.draft_token_ids)
             item.draft_token_ids[:] = drafted[seq.seq_id]
-            seq.draft_token_ids = list(item.draft_token_ids)
             # the draft's pool now holds the newest token and drafts 1 .. k-1 (not the k-th)
             seq.draft_num_computed_tokens = seq.num_tokens - 1 + k
             if q_rows[seq.seq_id]:

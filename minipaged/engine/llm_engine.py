@@ -249,8 +249,6 @@ class LLMEngine:
             num_generated += self._run_model(items, touched)
         if self.spec is not None:
             self.spec.observe([i.seq for i in plan.scheduled])
-            for item in plan.scheduled:
-                item.seq.draft_token_ids = []
         now = time.monotonic()
         for group in touched.values():
             if group.is_finished():

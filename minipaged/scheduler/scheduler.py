@@ -149,8 +149,8 @@ class Scheduler:
         while queue:
             group = queue.popleft()
             seqs = self._decoding(group)
-            while not self._slots_fit(seqs):
-                lacking = self._blocks_needed(seqs) - self.block_manager.num_free_blocks
+            while not self.block_manager.can_append_slots(seqs):
+                lacking = self.block_manager.num_new_blocks(seqs) - self.block_manager.num_free_blocks
                 if self.config.preemption_mode == "partial" and self._page_out_suspended(lacking, out):
                     continue              # blocks taken from requests that wait anyway
                 # Out of blocks: evict the latest arrival (possibly this group itself).
@@ -255,14 +255,6 @@ class Scheduler:
         needs_prefill = bool(self._prefilling(group))
         return decodes <= budget and (not needs_prefill or self._prefill_tokens(group, budget - decodes) > 0)
 
-    def _blocks_needed(self, seqs: list[Sequence]) -> int:
-        """New blocks these decodes need for their newest tokens and their draft tokens' slots."""
-        return sum(self.block_manager.num_new_blocks([s], len(s.draft_token_ids)) for s in seqs)
-
-    def _slots_fit(self, seqs: list[Sequence]) -> bool:
-        """Free blocks for these decodes' newest tokens and their draft tokens' slots?"""
-        return self._blocks_needed(seqs) <= self.block_manager.num_free_blocks
-
     def _schedule_decodes(self, group: SequenceGroup, out: SchedulerOutput) -> int:
         """One slot (copy-on-write if shared) and one token for each decoding sequence."""
         seqs = self._decoding(group)
@@ -288,7 +280,6 @@ class Scheduler:
             if not k:
                 continue
             bm.append_slots(item.seq, k)      # the newest token's block is already private
-            item.seq.draft_token_ids = list(wanted[:k])
             item.draft_token_ids = list(wanted[:k])
             item.num_new_tokens = 1 + k
             budget -= k
@@ -333,8 +324,6 @@ class Scheduler:
         """Take the group's device blocks back, by swapping or by recomputation; with
         preemption_mode "partial", only the ``lacking`` blocks the step needs (demand paging)."""
         mode = self.config.preemption_mode
-        for seq in group.unfinished_seqs():
-            seq.draft_token_ids = []      # guesses for a step it will not run
         tokens = sum(s.num_tokens for s in group.unfinished_seqs())
         if mode == "auto" and tokens <= AUTO_RECOMPUTE_MAX_TOKENS:
             mode = "recompute"
@@ -344,11 +333,7 @@ class Scheduler:
         if mode != "recompute" and not self.block_manager.can_swap_out(group, limit):
             mode = "recompute"  # the CPU pool cannot hold it: recomputation always works
         if mode == "recompute":
-            for seq in group.unfinished_seqs():
-                self.block_manager.free(seq)
-                seq.reset_for_recompute()
-            self._insert(self.waiting, group)
-            self.num_preemptions_recompute += 1
+            self._recompute(group)
         else:
             mapping = self.block_manager.swap_out(group, limit)
             out.blocks_to_swap_out.extend(mapping)
@@ -385,10 +370,10 @@ class Scheduler:
         for group in sorted(self.swapped, key=lambda g: -g.arrival_index):
             if freed >= lacking:
                 break
-            if group is exclude or not self.block_manager.movable_blocks(group):
+            movable = len(self.block_manager.movable_blocks(group)) if group is not exclude else 0
+            if not movable:
                 continue
             take = lacking - freed
-            movable = len(self.block_manager.movable_blocks(group))
             if self.block_manager.can_swap_out(group, take):
                 mapping = self.block_manager.swap_out(group, take)
                 out.blocks_to_swap_out.extend(mapping)
@@ -396,13 +381,17 @@ class Scheduler:
                 freed += len(mapping)
             else:                          # the swap pool is full: recompute it
                 self.swapped.remove(group)
-                for seq in group.unfinished_seqs():
-                    self.block_manager.free(seq)
-                    seq.reset_for_recompute()
-                self._insert(self.waiting, group)
-                self.num_preemptions_recompute += 1
+                self._recompute(group)
                 freed += movable
         return freed > 0
+
+    def _recompute(self, group: SequenceGroup) -> None:
+        """Free the group's blocks in both pools and queue it to be computed again."""
+        for seq in group.unfinished_seqs():
+            self.block_manager.free(seq)
+            seq.reset_for_recompute()
+        self._insert(self.waiting, group)
+        self.num_preemptions_recompute += 1
 
     def free_finished(self) -> list[SequenceGroup]:
         """Release the blocks of finished sequences; drop finished groups from running."""
