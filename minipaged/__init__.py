@@ -25,9 +25,10 @@ from .engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSe
 from .engine.llm import LLM
 from .engine.llm_engine import LLMEngine
 from .engine.input_processor import RequestError
+from .engine.worker import WorkerError
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import OutputKind, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "SamplingParams", "OutputKind", "RequestOutput",
-           "CompletionOutput", "RequestError", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "CompletionOutput", "RequestError", "WorkerError", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"

@@ -200,3 +200,45 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
         _require(not unknown, f"speculative_config has unknown keys {unknown}; known: {list(_SPECULATIVE_KEYS)}")
         return cls(**value)
+
+
+EXECUTOR_BACKENDS = ("uni", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many workers share the model, and how they are placed (vLLM's names).
+
+    ``tensor_parallel_size`` workers split every layer by heads and MLP columns (they all see the
+    same tokens and the same block tables); ``pipeline_parallel_size`` stages split the layers
+    into contiguous runs. ``distributed_executor_backend``: ``uni`` keeps every worker in this
+    process (its all-reduce is a plain sum), ``ray`` makes each one a Ray actor.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value >= 1, f"{name} must be a positive integer, got {value!r}")
+        _require(self.distributed_executor_backend in EXECUTOR_BACKENDS,
+                 f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                 f"got {self.distributed_executor_backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def check_model(self, *, num_attention_heads: int, num_key_value_heads: int, intermediate_size: int,
+                    num_hidden_layers: int) -> None:
+        """Refuse, before any weight is read, a model these sizes cannot split evenly."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        for what, count in (("query heads (num_attention_heads)", num_attention_heads),
+                            ("KV heads (num_key_value_heads)", num_key_value_heads),
+                            ("MLP columns (intermediate_size)", intermediate_size)):
+            _require(count % tp == 0, f"tensor_parallel_size={tp} does not divide the model's {count} {what}; "
+                                      f"choose a tensor_parallel_size that divides {count}")
+        _require(pp <= num_hidden_layers, f"pipeline_parallel_size={pp} exceeds the model's {num_hidden_layers} "
+                                          "layers: every stage needs at least one layer")

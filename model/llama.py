@@ -8,6 +8,11 @@ sequence, and it learns that from the explicit AttentionMetadata.
 ``ops`` is the backend's kernel namespace (``kernels.cpu``, or ``kernels.cuda.CudaOps`` on a GPU):
 it provides ``xp`` (numpy or cupy), ``linear``, ``rms_norm``, ``rotary``, ``silu_and_mul``,
 ``write_kv``, ``plan_attention`` and ``paged_attention``.
+
+A worker of a tensor- or pipeline-parallel engine holds a shard (``model/sharding.py``):
+``run`` is then a generator that stops at each all-reduce (twice per layer), hands out its
+partial sum and waits for the total, so one code path serves one worker, workers in one
+process driven in lock step, and workers that all-reduce over NCCL.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from ..kernels.layout import AttentionMetadata
 from .config import LlamaConfig
 from .errors import ModelFormatError
 from .rope import rope_tables
+from .sharding import ShardSpec
 
 
 @dataclass
@@ -41,10 +47,23 @@ def _get(tensors: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return array
 
 
+def run_to_end(run):
+    """The result of a forward pass that needs no all-reduce (one worker holds whole layers)."""
+    try:
+        next(run)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("this model is a tensor-parallel shard: its forward pass needs an all-reduce driver "
+                       "(engine/executor.py)")
+
+
 class LlamaModel:
     def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray], ops,
-                 dtype=np.float32, max_positions: int | None = None) -> None:
+                 dtype=np.float32, max_positions: int | None = None, shard: ShardSpec | None = None) -> None:
+        """``config`` and ``tensors`` are the worker's own (``sharding.shard_config`` /
+        ``shard_tensors``) when ``shard`` says it holds a slice of a bigger model."""
         self.config = config
+        self.shard = shard or ShardSpec()
         self.ops = ops
         xp = ops.xp
         c = config
@@ -53,13 +72,15 @@ class LlamaModel:
         def put(array: np.ndarray) -> np.ndarray:
             return xp.asarray(np.ascontiguousarray(array, dtype=dtype))
 
-        embed = _get(tensors, "model.embed_tokens.weight", (c.vocab_size, h))
-        self.embed = put(embed)                                                    # (vocab, hidden)
         tied = c.tie_word_embeddings or "lm_head.weight" not in tensors
+        needs_embed = self.shard.is_first_stage or (self.shard.has_lm_head and tied)
+        self.embed = put(_get(tensors, "model.embed_tokens.weight", (c.vocab_size, h))) if needs_embed else None  # (vocab, hidden)
         # Every linear weight stays (out, in), the checkpoint's layout: ops.linear reads a
         # weight row per output feature. Tied, the head is the embedding itself.
-        self.lm_head = self.embed if tied else put(_get(tensors, "lm_head.weight", (c.vocab_size, h)))  # (vocab, hidden)
-        self.final_norm = put(_get(tensors, "model.norm.weight", (h,)))
+        self.lm_head = self.final_norm = None
+        if self.shard.has_lm_head:
+            self.lm_head = self.embed if tied else put(_get(tensors, "lm_head.weight", (c.vocab_size, h)))  # (vocab, hidden)
+            self.final_norm = put(_get(tensors, "model.norm.weight", (h,)))
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -88,11 +109,11 @@ class LlamaModel:
         arrays = [self.embed, self.lm_head, self.final_norm, self.cos, self.sin]
         for layer in self.layers:
             arrays += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
-        return sum(int(a.nbytes) for a in {id(a): a for a in arrays}.values())   # a tied head once
+        return sum(int(a.nbytes) for a in {id(a): a for a in arrays if a is not None}.values())   # a tied head once
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices,
                 layer_quant=None, layer_bounds=None):
-        """Run T new tokens through the model; return logits only where they are needed.
+        """Run T new tokens through the whole model; return logits only where they are needed.
 
         input_ids, positions: (T,) int; kv_cache: (layers, 2, blocks, kv_heads, block_size, head_dim)
         logits_indices: (N,) rows of the batch whose next token will be sampled
@@ -100,10 +121,24 @@ class LlamaModel:
         layer_bounds: for block-sparse decode attention, layer_bounds(i) -> kernels.layout.BlockBounds
         returns (N, vocab) float32
         """
+        return run_to_end(self.run(input_ids, positions, kv_cache, meta, logits_indices, layer_quant, layer_bounds))
+
+    def run(self, inputs, positions, kv_cache, meta: AttentionMetadata, logits_indices,
+            layer_quant=None, layer_bounds=None):
+        """This worker's part of the forward pass, as a generator (see the module docstring).
+
+        inputs: (T,) token ids on the first stage, else (T, hidden) the previous stage's output
+        kv_cache: this worker's pool: its layers, its KV heads
+        yields, at each all-reduce of a tensor-parallel shard: (T, hidden) this worker's partial
+            sum; the driver sends back the sum over the group
+        returns: (N, vocab) logits on the worker that holds the LM head, (T, hidden) hidden
+            states on an earlier stage, None on the last stage's other ranks
+        """
         ops, c = self.ops, self.config
-        num_tokens = input_ids.shape[0]
+        num_tokens = positions.shape[0]
         q_size, kv_size = c.q_size, c.kv_size
-        hidden = self.embed[input_ids]                                         # (T, hidden)
+        split = self.shard.tp_size > 1
+        hidden = self.embed[inputs] if self.shard.is_first_stage else inputs   # (T, hidden)
         plan = ops.plan_attention(meta)         # how attention splits this batch, for every layer
         for i, layer in enumerate(self.layers):
             x = ops.rms_norm(hidden, layer.input_norm, c.rms_norm_eps)          # (T, hidden)
@@ -124,10 +159,20 @@ class LlamaModel:
                     ops.calibrate_kv_scales(k, v, quant)
                 ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, quant, bounds)
                 attn = ops.paged_attention(q, k_cache, v_cache, plan, self.scale, quant, bounds)
-            hidden = hidden + ops.linear(attn.reshape(num_tokens, q_size), layer.o)
+            out = ops.linear(attn.reshape(num_tokens, q_size), layer.o)         # (T, hidden)
+            if split:                        # all-reduce: every rank's heads' share of the output
+                out = yield out
+            hidden = hidden + out
             x = ops.rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gated = ops.silu_and_mul(ops.linear(x, layer.gate_up))             # (T, ffn)
-            hidden = hidden + ops.linear(gated, layer.down)                     # (T, hidden)
+            out = ops.linear(gated, layer.down)                                 # (T, hidden)
+            if split:                        # all-reduce: every rank's MLP columns' share
+                out = yield out
+            hidden = hidden + out                                               # (T, hidden)
+        if not self.shard.is_last_stage:     # the next stage goes on from here
+            return hidden
+        if not self.shard.has_lm_head:       # the same hidden states as rank 0: nothing to add
+            return None
         if logits_indices.shape[0] == 0:      # a step of prompt chunks only: nothing to sample
             return ops.xp.empty((0, c.vocab_size), dtype=self.lm_head.dtype)
         last = ops.rms_norm(hidden[logits_indices], self.final_norm, c.rms_norm_eps)  # (N, hidden)

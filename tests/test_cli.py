@@ -128,6 +128,10 @@ def test_chat_with_smollm2_answers():
     (["generate", "hi", "--speculative-config", '{"method": "ngram"}', "--num-scheduler-steps", "4"],
      "do not combine"),
     (["bench", "spec-decode", "--batch-sizes", "4"], "--batch-sizes does not apply to the spec-decode workload"),
+    (["generate", "hi", "-tp", "3"], "tensor_parallel_size=3 does not divide the model's 4 query heads"),
+    (["generate", "hi", "-pp", "0"], "pipeline_parallel_size must be a positive integer"),
+    (["bench", "roofline", "-pp", "2"], "the roofline workload reaches into one worker's model"),
+    (["bench", "parallel", "-pp", "2"], "the parallel workload compares the splits itself"),
 ])
 def test_flags_that_cannot_work_are_refused_before_loading(tiny_model_dir, args, message):
     result = run_cli(*args, "--model", str(tiny_model_dir), "--device", "cpu")
@@ -147,3 +151,14 @@ def test_a_bad_log_level_falls_back_with_a_warning():
     result = subprocess.run([sys.executable, "-c", "import minipaged"], capture_output=True, text=True,
                             env=dict(os.environ, MINIPAGED_LOG_LEVEL="loud"))
     assert result.returncode == 0 and "is not a log level" in result.stderr
+
+
+def test_generate_split_over_workers_gives_the_same_tokens(tiny_model_dir):
+    """-tp / -pp from the command line: the tiny model (4 query heads, 2 KV heads, 3 layers)
+    split TP=2 x PP=2 answers as one worker does."""
+    flags = ["generate", "abc", "--model", str(tiny_model_dir), "--device", "cpu", "--max-tokens", "6",
+             "--ignore-eos", "--temperature", "0", "--json"]
+    one = run_cli(*flags)
+    split = run_cli(*flags, "-tp", "2", "-pp", "2")
+    assert one.returncode == 0 and split.returncode == 0, split.stderr
+    assert json.loads(split.stdout)[0]["outputs"][0]["token_ids"] == json.loads(one.stdout)[0]["outputs"][0]["token_ids"]

@@ -282,6 +282,9 @@ def test_the_gpu_check_script_runs_its_whole_flow_on_the_cpu_harness(tmp_path):
     peer = report["end_to_end"]["hf_transformers"]
     assert "generation_tok_s" in peer or "error" in peer
     assert report["greedy_vs_cpu_float32"]["tokens_agreeing_before_first_divergence"] > 0
+    split = report["parallel"]["uni_tp3_pp2"]         # shards against one worker, same device
+    assert split["same_tokens"] and split["max_logit_diff"] < 1e-4
+    assert report["parallel"]["nccl_over_ray"].startswith("skipped")
 
 
 def test_the_gpu_check_script_stops_at_a_failing_preflight(tmp_path):

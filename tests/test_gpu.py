@@ -257,3 +257,52 @@ def test_gpu_engine_with_speculative_decoding_matches_the_cpu_engine(tmp_path, m
         gpu = LLM(str(model), device="cuda", dtype="float32", swap_space=0.01, speculative_config=config, **extra)
         assert_same_greedy_tokens(gpu.generate(prompts, params, use_tqdm=False), cpu, {**config, **extra})
         assert gpu.llm_engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
+
+
+def gpu_count() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+def test_gpu_tensor_and_pipeline_shards_match_one_worker(tmp_path):
+    """TP=3 x PP=2 with every worker on this one GPU (``uni``): each step's logits as one worker's,
+    the same greedy tokens, under swap preemption too."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from minipaged.model.random_llama import write_tiny_llama
+    from parallel_workload import Run, assert_same_run, workload
+
+    model = write_tiny_llama(tmp_path / "tiny", head_dim=64, num_attention_heads=6, num_key_value_heads=3)
+    common = dict(device="cuda", dtype="float32", num_blocks=30, block_size=4, preemption_mode="swap",
+                  swap_space=0.01, enable_prefix_caching=True)
+    want = Run(model, workload("every block was free"), **common)
+    got = Run(model, workload("every block was free"), **common, tensor_parallel_size=3, pipeline_parallel_size=2)
+    assert want.stats["num_preemptions"] > 0
+    assert_same_run(got, want, atol=1e-3)
+
+
+@pytest.mark.skipif(not cuda_available() or gpu_count() < 2, reason="NCCL tensor parallelism needs 2 GPUs")
+def test_nccl_tensor_parallel_over_ray_matches_one_worker(tmp_path):
+    """TP=2 over Ray actors, one GPU each, all-reducing through NCCL."""
+    import sys
+    from pathlib import Path
+
+    ray = pytest.importorskip("ray")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from minipaged.model.random_llama import write_tiny_llama
+    from parallel_workload import Run, assert_same_run, workload
+
+    model = write_tiny_llama(tmp_path / "tiny", head_dim=64)     # 4 query heads, 2 KV heads
+    common = dict(device="cuda", dtype="float32", num_blocks=30, block_size=4, swap_space=0.01)
+    want = Run(model, workload("every block was free"), **common)
+    ray.init(num_gpus=2, include_dashboard=False)
+    try:
+        got = Run(model, workload("every block was free"), **common, tensor_parallel_size=2,
+                  distributed_executor_backend="ray")
+        assert_same_run(got, want, atol=1e-3)
+        got.engine.shutdown()
+    finally:
+        ray.shutdown()

@@ -226,3 +226,12 @@ def test_t17_demand_paging():
     assert "gives up 1 block(s)" in out and "(present bits " in out and "0)" in out
     assert "only the missing entries come back" in out and "every entry present: it runs again" in out
     assert "the same tokens: True" in out
+
+
+def test_t18_tensor_and_pipeline_parallelism():
+    out = run_tutorial("18_tensor_and_pipeline_parallelism.py")
+    assert "worker tp2/pp0: 30 layers, 3 q / 1 KV heads" in out and "pool (30, 2, 64, 1, 16, 64)" in out
+    assert "equal to the one-worker pool's head 2" in out and "its layer 0 is the model's layer 15" in out
+    assert "each rank stopped 60 times = 2 x 30 layers" in out
+    assert "{'one worker': True, 'TP=3': True, 'PP=2': True}" in out
+    assert "the same tokens over Ray: True" in out

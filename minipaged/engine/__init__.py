@@ -21,6 +21,12 @@
     ngram_proposer.py    readahead for tokens: prompt-lookup drafts
     rejection_sampler.py retiring speculated work: greedy checks and the exact rejection rule
     draft_model.py       a draft model, its own KV pool under the target's block ids
+    worker.py            one processor and its local memory: a model shard and the KV pool of its
+                         heads and layers, under the driver's one set of block ids
+    executor.py          inter-processor calls: one step carried to every worker; ``uni`` runs them
+                         in this process, their all-reduces a sum in lock step
+    ray_executor.py      workers as Ray actors: pipeline stages pass hidden states as Ray objects,
+                         tensor-parallel GPUs all-reduce over NCCL
 
 It drives the scheduler (scheduler/) and the memory manager (memory/) below it, and the
 model (model/) and the kernels (kernels/) through the backend's kernel namespace.

@@ -169,6 +169,7 @@ class AsyncLLMEngine:
                 pass
             self._loop_task = None
         self._worker.shutdown(wait=True)
+        self.engine.shutdown()                        # its workers too (Ray actors exit)
         self._dead = EngineDeadError("the engine was shut down")
 
     # ------------------------------------------------------------------ the loop

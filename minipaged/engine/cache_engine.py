@@ -43,12 +43,8 @@ class CacheEngine:
         elif gpu_num_blocks is not None:      # measured by profile_gpu_num_blocks
             self.num_blocks = gpu_num_blocks
         else:
-            space = cache_config.kv_cache_space or DEFAULT_CPU_KV_SPACE_GIB
-            self.num_blocks = int(space * GIB) // (self.bytes_per_block + extra_bytes_per_block)
-            if self.num_blocks < 1:
-                raise ValueError(f"kv_cache_space={space} GiB holds no block of "
-                                 f"{self.bytes_per_block + extra_bytes_per_block} bytes; give it more space")
-        self.num_cpu_blocks = (int(cache_config.swap_space * GIB) // (self.bytes_per_block + extra_bytes_per_block)
+            self.num_blocks = cpu_pool_blocks(cache_config, self.bytes_per_block + extra_bytes_per_block)
+        self.num_cpu_blocks = (swap_pool_blocks(cache_config, self.bytes_per_block + extra_bytes_per_block)
                                if num_cpu_blocks is None else num_cpu_blocks)
 
         def shape(num_blocks: int) -> tuple[int, ...]:
@@ -129,6 +125,16 @@ class CacheEngine:
             pairs.append((self.key_bounds, self.cpu_bounds))
         return pairs
 
+    def move(self, swap_out, swap_in, copy) -> None:
+        """Carry out one step's plan: swap-outs first (they free device blocks that this step's
+        swap-ins may reuse), then swap-ins, then copy-on-write copies."""
+        if swap_out:
+            self.swap_out(swap_out)
+        if swap_in:
+            self.swap_in(swap_in)
+        if copy:
+            self.copy(copy)
+
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy (device block, CPU block) pairs into the swap space (bytes and their scales)."""
         for device, host in self._per_block():
@@ -154,6 +160,20 @@ def block_bytes(model_config, cache_config: CacheConfig, dtype) -> int:
                               cache_config.block_size, model_config.head_dim, storage.itemsize,
                               scale_bytes_per_token_head(fmt),
                               key_bounds=cache_config.sparse_attention_budget is not None)
+
+
+def cpu_pool_blocks(cache_config: CacheConfig, bytes_per_block: int) -> int:
+    """Blocks of ``bytes_per_block`` (every pool a block id names, summed) in ``kv_cache_space``."""
+    space = cache_config.kv_cache_space or DEFAULT_CPU_KV_SPACE_GIB
+    num_blocks = int(space * GIB) // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_space={space} GiB holds no block of {bytes_per_block} bytes; give it more space")
+    return num_blocks
+
+
+def swap_pool_blocks(cache_config: CacheConfig, bytes_per_block: int) -> int:
+    """Blocks of ``bytes_per_block`` in the swap space (``swap_space`` GiB of host memory)."""
+    return int(cache_config.swap_space * GIB) // bytes_per_block
 
 
 def _pinned(shape, dtype):
@@ -182,14 +202,17 @@ def kv_cache_blocks(*, total: int, free: int, utilization: float, activations: i
 
 
 def profile_gpu_num_blocks(model, model_config, cache_config: CacheConfig, max_num_batched_tokens: int,
-                           max_model_len: int, dtype, extra_models=(), extra_bytes_per_block: int = 0) -> int:
+                           max_model_len: int, dtype, extra_models=(), extra_bytes_per_block: int = 0,
+                           group_sizes: tuple[int, ...] | None = None) -> int:
     """Size the GPU KV pool as vLLM does: run one forward pass at the largest batch the
     budgets allow, measure its peak memory, and give the KV cache what remains of
     ``gpu_memory_utilization`` of the device's memory (``kv_cache_blocks``).
 
-    ``extra_models``: (model, config) pairs that run on the same steps (a draft model), each
-    measured the same way (the peak is the larger); ``extra_bytes_per_block``: what their pool
-    takes per block id besides this one's."""
+    ``extra_models``: (model, config) pairs that run on the same steps (a draft model, the
+    other shards of a split model), each measured the same way; ``extra_bytes_per_block``:
+    what their pools take per block id besides this one's. ``group_sizes``: the nets, in
+    order, come in groups that are alive at once (a stage's tensor-parallel ranks, in lock
+    step), whose peaks add; the peak is the largest group's. Default: each net alone."""
     import cupy  # noqa: PLC0415
 
     from ..kernels.layout import AttentionMetadata  # noqa: PLC0415
@@ -213,26 +236,42 @@ def profile_gpu_num_blocks(model, model_config, cache_config: CacheConfig, max_n
                             for i, n in enumerate(lengths)]).astype(np.int64)
     qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     positions = np.concatenate([np.arange(n) for n in lengths])
-    activations = 0
-    for net, c in [(model, model_config), *extra_models]:
+    peaks = []                  # each net's own high-water mark, in order
+    xp_dtype = np.dtype(dtype)
+    nets = [(model, model_config), *extra_models]
+    for net, c in nets:
         scratch = cupy.zeros(kv_cache_shape(c.num_hidden_layers, sum(blocks), c.num_key_value_heads, size,
                                             c.head_dim), dtype=dtype)
         meta = AttentionMetadata(cupy.asarray(slots), cupy.asarray(qsl), cupy.asarray(np.array(lengths, np.int32)),
                                  cupy.asarray(tables), max(lengths), max(lengths))
         ids, pos, last = cupy.zeros(len(positions), np.int64), cupy.asarray(positions), cupy.asarray(qsl[1:] - 1)
         alive = pool.used_bytes()       # everything in use before the pass (ours, and any other engine's)
-        net.forward(ids, pos, scratch, meta, last)
+        # a later pipeline stage starts from hidden states; a tensor-parallel shard's all-reduces
+        # are answered with its own partial (the shapes, not the sums, set the memory)
+        inputs = ids if net.shard.is_first_stage else cupy.zeros((len(positions), c.hidden_size), xp_dtype)
+        run = net.run(inputs, pos, scratch, meta, last)
+        try:
+            partial = next(run)
+            while True:
+                partial = run.send(partial)
+        except StopIteration:
+            pass
         cupy.cuda.Device().synchronize()
-        activations = max(activations, pool.total_bytes() - alive)   # the pool keeps the pass's high-water mark
-        del scratch, meta, ids, pos, last
+        peaks.append(pool.total_bytes() - alive)    # the pool keeps the pass's high-water mark
+        del scratch, meta, ids, pos, last, inputs, run
         pool.free_all_blocks()
+    sizes, first, activations = group_sizes or (1,) * len(nets), 0, 0
+    for size in sizes:
+        activations = max(activations, sum(peaks[first:first + size]))
+        first += size
     free, total = cupy.cuda.runtime.memGetInfo()
     utilization = cache_config.gpu_memory_utilization
     num_blocks = kv_cache_blocks(total=total, free=free, utilization=utilization, activations=activations,
                                  bytes_per_block=bytes_per_block)
     if num_blocks < 1:
+        weights = model.nbytes + sum(net.nbytes for net, _ in extra_models)
         raise ValueError(f"no GPU memory left for the KV cache: {(total - free) / GIB:.1f} GiB of the device's "
-                         f"{total / GIB:.1f} GiB is in use (this model's weights: {model.nbytes / GIB:.1f} GiB) "
+                         f"{total / GIB:.1f} GiB is in use (this engine's weights: {weights / GIB:.1f} GiB) "
                          f"and a step's activations need {activations / GIB:.1f} GiB, beyond "
                          f"gpu_memory_utilization={utilization}; raise it, lower max_num_batched_tokens, or "
                          "drop other engines first (minipaged.engine.backend.release_device_memory)")

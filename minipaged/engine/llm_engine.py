@@ -3,7 +3,8 @@
 One ``step()`` is one trip round this data flow (docs/architecture.md, "One engine step")::
 
     Scheduler.schedule()  -> which sequences run and how many tokens each
-    ModelRunner.execute() -> write new K/V into their slots, paged attention, logits
+    Executor              -> every worker moves the planned blocks, writes new K/V into
+                             their slots, runs paged attention; logits (executor.py)
     Sampler               -> next tokens
     OutputProcessor       -> text, stop rules; finished sequences free their blocks
 
@@ -19,26 +20,24 @@ import time
 
 import numpy as np
 
-from ..config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
+from ..config import CacheConfig, ConfigError, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from ..memory.block_manager import BlockManager
 from ..memory.contiguous_allocator import ContiguousBlockManager
 from ..memory.fragmentation import KVBreakdown, measure, summarize
 from ..model.config import LlamaConfig, read_generation_defaults
 from ..model.fetch import DEFAULT_MODEL, resolve_model
-from ..model.llama import LlamaModel
 from ..model.tokenizer import Tokenizer
-from ..model.weights import load_checkpoint
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, derive_seed
 from ..scheduler.scheduler import Scheduler
 from ..sequence import SequenceGroup
 from .backend import select_backend
 from .beam_search import BeamSearchParams, advance_beams
-from .cache_engine import CacheEngine, profile_gpu_num_blocks
 from .draft_model import DraftModel, load_draft_config
+from .executor import check_executor, make_executor
 from .input_processor import InputProcessor, PromptInput, RequestError
 from .metrics import Metrics
-from .model_runner import ModelRunner, build_model_input
+from .model_runner import build_model_input
 from .output_processor import OutputProcessor
 from .sampler import Sampler, SampleRequest, log_softmax, to_host
 from .spec_decode import SpeculativeDecoder
@@ -57,7 +56,8 @@ class LLMEngine:
                  kv_allocator: str = "paged", contiguous_reserve: str = "max_model_len",
                  track_fragmentation: bool = False, kv_cache_dtype: str = "auto",
                  calculate_kv_scales: bool = False, sparse_attention_budget: int | None = None,
-                 speculative_config=None, seed: int = 0, log_stats_interval: float = 0.0,
+                 speculative_config=None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 distributed_executor_backend: str = "uni", seed: int = 0, log_stats_interval: float = 0.0,
                  max_logprobs: int = 20) -> None:
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype, seed=seed,
                                    max_logprobs=max_logprobs)
@@ -66,7 +66,13 @@ class LLMEngine:
                                    gpu_memory_utilization=gpu_memory_utilization,
                                    kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
                                    sparse_attention_budget=sparse_attention_budget)
+        self.parallel_config = ParallelConfig(tensor_parallel_size, pipeline_parallel_size,
+                                              distributed_executor_backend)
         # Settings that need no model are checked before the (slow) load.
+        if calculate_kv_scales and tensor_parallel_size > 1:
+            raise ConfigError("calculate_kv_scales with tensor_parallel_size > 1: each rank would scale its "
+                              "heads from what only it sees, and the ranks' scales would differ; use fp8's "
+                              "default scales (calculate_kv_scales=False) or tensor_parallel_size=1")
         if kv_allocator not in ("paged", "contiguous"):
             raise ConfigError(f"kv_allocator must be 'paged' or 'contiguous', got {kv_allocator!r}")
         if contiguous_reserve not in ("max_model_len", "max_tokens"):
@@ -95,6 +101,10 @@ class LLMEngine:
         model_dir = resolve_model(self.config.model)
         self.model_dir = model_dir
         self.model_config = LlamaConfig.from_dir(model_dir)
+        c = self.model_config   # the split is checked against config.json, before any weight is read
+        self.parallel_config.check_model(num_attention_heads=c.num_attention_heads,
+                                         num_key_value_heads=c.num_key_value_heads,
+                                         intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers)
         # What the model's generation_config.json recommends (only the keys it sets, under
         # SamplingParams' names): the chat command and the server start from these.
         self.generation_defaults: dict = read_generation_defaults(model_dir)
@@ -112,39 +122,40 @@ class LLMEngine:
         self.max_model_len = self.scheduler_config.max_model_len
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.backend = select_backend(self.config.device, self.config.dtype)
+        check_executor(self.parallel_config, self.backend.device)
         draft = None      # (directory, config) of a draft model, checked before anything loads
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
             draft = load_draft_config(self.speculative_config.model, self.model_config, self.tokenizer,
                                       self.max_model_len)
-        self.model = LlamaModel(self.model_config, load_checkpoint(model_dir), self.backend.ops,
-                                self.backend.dtype, max_positions=self.max_model_len)
         # a draft model is loaded before the pool is sized (its weights take memory too), and its
         # pool is indexed by the same block ids: each block costs both pools' bytes
         self.draft = (DraftModel(draft[0], draft[1], self.backend.ops, self.backend.dtype, self.max_model_len,
                                  self.scheduler_config.max_num_batched_tokens) if draft else None)
         draft_bytes = DraftModel.bytes_per_block(draft[1], cache_config, self.backend.dtype) if draft else 0
-        gpu_blocks = None
-        if self.backend.device == "cuda" and num_blocks is None:
-            gpu_blocks = profile_gpu_num_blocks(
-                self.model, self.model_config, cache_config, self.scheduler_config.max_num_batched_tokens,
-                self.max_model_len, self.backend.dtype,
-                extra_models=[(self.draft.model, draft[1])] if draft else (), extra_bytes_per_block=draft_bytes)
-        self.cache = CacheEngine(self.model_config, cache_config, self.backend.ops, self.backend.dtype,
-                                 gpu_num_blocks=gpu_blocks, extra_bytes_per_block=draft_bytes)
+        # The workers: each loads its shard and allocates its pool, all with the same block count
+        self.executor = make_executor(
+            model_dir, self.model_config, cache_config, self.parallel_config, self.backend, self.max_model_len,
+            self.scheduler_config.max_num_batched_tokens,
+            extra_models=[(self.draft.model, draft[1])] if draft else (), extra_bytes_per_block=draft_bytes)
+        # The driver's own worker, when the workers live in this process (uni): the whole model
+        # when nothing is split, so tools and tutorials can reach the model and its pool.
+        driver = getattr(self.executor, "driver_worker", None)
+        self.model = driver.model if driver else None
+        self.cache = driver.cache if driver else None
+        self.runner = driver.runner if driver else None
         if self.draft is not None:
-            self.draft.attach_pool(cache_config, self.cache.num_blocks, self.cache.num_cpu_blocks)
+            self.draft.attach_pool(cache_config, self.executor.num_blocks, self.executor.num_cpu_blocks)
         if kv_allocator == "contiguous":   # the "traditional" baseline of the paper
-            self.block_manager = ContiguousBlockManager(self.cache.num_blocks, block_size, self.max_model_len,
+            self.block_manager = ContiguousBlockManager(self.executor.num_blocks, block_size, self.max_model_len,
                                                         reserve=contiguous_reserve)
         else:
-            self.block_manager = BlockManager(self.cache.num_blocks, block_size, self.cache.num_cpu_blocks,
+            self.block_manager = BlockManager(self.executor.num_blocks, block_size, self.executor.num_cpu_blocks,
                                               watermark=cache_config.watermark,
                                               enable_prefix_caching=enable_prefix_caching)
         self.kv_allocator = kv_allocator
         self.track_fragmentation = track_fragmentation
         self.kv_history: list[KVBreakdown] = []   # one per step, if track_fragmentation
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner = ModelRunner(self.model)
         # the CPU kernels have a fused row normaliser; on a GPU the sampler uses CuPy's reductions
         self.sampler = Sampler(self.backend.xp, getattr(self.backend.ops, "logsumexp", None))
         eos = set(self.tokenizer.stop_token_ids)
@@ -205,6 +216,11 @@ class LLMEngine:
         if group is not None:
             self._forget(group)
 
+    def shutdown(self) -> None:
+        """Stop the workers now (Ray actors exit); their executor also does it when it is
+        collected with this engine, and at exit."""
+        self.executor.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()
 
@@ -222,15 +238,12 @@ class LLMEngine:
             running = self.scheduler.running
             self.spec.propose(running, [s for g in running for s in self.scheduler.decoding_seqs(g)])
         plan = self.scheduler.schedule()
-        # Swap-outs first: they free device blocks that this step's swap-ins may reuse. One
-        # plan for every pool the block ids index (a draft model's too).
-        for cache in (self.cache, *([self.draft.cache] if self.draft else [])):
-            if plan.blocks_to_swap_out:
-                cache.swap_out(plan.blocks_to_swap_out)
-            if plan.blocks_to_swap_in:
-                cache.swap_in(plan.blocks_to_swap_in)
-            if plan.blocks_to_copy:
-                cache.copy(plan.blocks_to_copy)
+        # One plan for every pool the block ids index: every worker's, and a draft model's.
+        moves = plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy
+        if any(moves):
+            self.executor.move_blocks(*moves)
+            if self.draft is not None:
+                self.draft.cache.move(*moves)
         if plan.is_empty:
             return []
         blocks_in_use = self.block_manager.num_used_blocks                 # before anything is freed
@@ -281,10 +294,7 @@ class LLMEngine:
             if start is not None:
                 prompt_from[item.group.request_id] = start
         model_input = build_model_input(items, tables, self.block_manager.block_size, prompt_from)
-        quant = self.cache.layer_quant if self.cache.kv_format else None
-        bounds = self.cache.layer_bounds if self.cache.key_bounds is not None else None
-        logits = self.runner.execute(model_input, self.cache.kv_cache, quant, bounds)   # (N + M, vocab)
-        self.cache.scales_pending = False           # calculate_kv_scales: set once, by the first step
+        logits = self.executor.execute_model(model_input.forward_input())   # (N + V + M, vocab)
         rows = list(range(len(model_input.sampled)))
         beam_rows = [r for r in rows if model_input.sampled[r][0].group.beam is not None]
         sample_rows = [r for r in rows if model_input.sampled[r][0].group.beam is None]
@@ -359,7 +369,7 @@ class LLMEngine:
     @property
     def _bytes_per_block_all_pools(self) -> int:
         """What moving one block id moves: its bytes in every pool (a draft model's too)."""
-        return self.cache.bytes_per_block + (self.draft.cache.bytes_per_block if self.draft else 0)
+        return self.executor.bytes_per_block + (self.draft.cache.bytes_per_block if self.draft else 0)
 
     def get_stats(self) -> dict:
         bm, sched = self.block_manager, self.scheduler

@@ -31,6 +31,17 @@ class PromptLogprobRows:
     token_ids: np.ndarray       # (M,) int64 the prompt tokens the rows predict, in order
 
 
+@dataclass(frozen=True)
+class ForwardInput:
+    """What every worker receives for one forward pass: plain arrays, none of the driver's objects
+    (the block tables in ``meta`` are the driver's one set, the same for every worker)."""
+
+    input_ids: np.ndarray       # (T,) int64
+    positions: np.ndarray       # (T,) int64
+    meta: AttentionMetadata
+    logits_indices: np.ndarray  # (R,) int64
+
+
 @dataclass
 class ModelInput:
     input_ids: np.ndarray       # (T,) int64 the tokens computed this step, sequence after sequence
@@ -43,6 +54,9 @@ class ModelInput:
     sampled: list[tuple[ScheduledSeq, Sequence]]  # (N,) the scheduled item and the sample drawing
     prompt_rows: list[PromptLogprobRows]          # the M prompt rows, run by run
     verify: list[ScheduledSeq]  # speculating decodes: the newest token and k drafts, all scored
+
+    def forward_input(self) -> ForwardInput:
+        return ForwardInput(self.input_ids, self.positions, self.meta, self.logits_indices)
 
 
 def build_model_input(scheduled: list[ScheduledSeq], block_tables: list[list[int]],
@@ -110,17 +124,28 @@ class ModelRunner:
         self.model = model
         self.xp = model.ops.xp
 
-    def execute(self, model_input: ModelInput, kv_cache, layer_quant=None, layer_bounds=None):
-        """Run one step; returns the logits of ``logits_indices``, (N + M, vocab), on the device:
-        the sampled rows, then the prompt rows. ``layer_quant``: CacheEngine.layer_quant for
-        a compressed cache; ``layer_bounds``: CacheEngine.layer_bounds for block-sparse decode."""
+    def _device_meta(self, m: AttentionMetadata) -> AttentionMetadata:
         xp = self.xp
-        m = model_input.meta
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=xp.asarray(m.slot_mapping), query_start_loc=xp.asarray(m.query_start_loc),
             seq_lens=xp.asarray(m.seq_lens), block_tables=xp.asarray(m.block_tables),
             max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
-        logits = self.model.forward(xp.asarray(model_input.input_ids), xp.asarray(model_input.positions),
-                                    kv_cache, meta, xp.asarray(model_input.logits_indices), layer_quant,
-                                    layer_bounds)
-        return logits
+
+    def execute(self, model_input: ModelInput | ForwardInput, kv_cache, layer_quant=None, layer_bounds=None):
+        """Run one step of the whole model; returns the logits of ``logits_indices``, (N + M, vocab),
+        on the device: the sampled rows, then the prompt rows. ``layer_quant``:
+        CacheEngine.layer_quant for a compressed cache; ``layer_bounds``: CacheEngine.layer_bounds
+        for block-sparse decode."""
+        xp = self.xp
+        return self.model.forward(xp.asarray(model_input.input_ids), xp.asarray(model_input.positions),
+                                  kv_cache, self._device_meta(model_input.meta),
+                                  xp.asarray(model_input.logits_indices), layer_quant, layer_bounds)
+
+    def run(self, model_input: ModelInput | ForwardInput, hidden, kv_cache, layer_quant=None, layer_bounds=None):
+        """A shard's part of one step, as ``LlamaModel.run``'s generator. ``hidden``: (T, hidden)
+        the previous stage's output, or None on the first stage (which reads the token ids)."""
+        xp = self.xp
+        inputs = xp.asarray(model_input.input_ids) if hidden is None else xp.asarray(hidden)
+        return self.model.run(inputs, xp.asarray(model_input.positions), kv_cache,
+                              self._device_meta(model_input.meta), xp.asarray(model_input.logits_indices),
+                              layer_quant, layer_bounds)

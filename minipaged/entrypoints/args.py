@@ -76,6 +76,13 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "adaptive": true}')
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="workers splitting every layer by heads and MLP columns (docs/distributed.md)")
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, metavar="N",
+                   help="pipeline stages, each holding a contiguous run of layers")
+    g.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "ray"],
+                   help="uni: every worker in this process; ray: each worker a Ray actor "
+                        "(pip install 'minipaged[distributed]')")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="GPU: share of the device's memory for weights, activations and the KV cache")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
@@ -99,7 +106,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_logprobs=args.max_logprobs, kv_cache_dtype=args.kv_cache_dtype,
                 calculate_kv_scales=args.calculate_kv_scales,
                 sparse_attention_budget=args.sparse_attention_budget,
-                speculative_config=args.speculative_config)
+                speculative_config=args.speculative_config,
+                tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                distributed_executor_backend=args.distributed_executor_backend)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float,

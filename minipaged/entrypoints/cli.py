@@ -12,6 +12,7 @@ import dataclasses
 import json
 import sys
 
+from ..engine.worker import WorkerError
 from ..model.errors import ModelFetchError, ModelFormatError
 from ..model.fetch import DEFAULT_MODEL, KNOWN_MODELS
 from ..sampling_params import OutputKind
@@ -191,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_bench(args, engine_kwargs(args))
         return commands[args.command](args)
-    except (ValueError, ModelFetchError, ModelFormatError, NotImplementedError) as err:
-        # User errors (bad flags' values, bad prompts, missing models): one clear line, no traceback.
+    except (ValueError, ModelFetchError, ModelFormatError, NotImplementedError, WorkerError) as err:
+        # User errors (bad flags' values, bad prompts, missing models) and a lost worker: one
+        # clear line, no traceback.
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -12,6 +12,8 @@
     sparse_quality.py  ``bench sparse``: passkey retrieval, greedy agreement and teacher-forced
                     log-likelihood under block-sparse decode budgets, against dense
     spec_bench.py   ``bench spec-decode``: speculation off, n-gram and adaptive side by side
+    parallel_bench.py  ``bench parallel``: one worker against pipeline stages and tensor-parallel
+                    ranks, in this process and as Ray actors: time per step, and where it goes
     gpu_check.py    ``python -m minipaged.gpu_check``: every CUDA kernel checked and timed on a GPU,
                     then the engine end to end (``--smoke``: the same on the CPU harness)
     viz.py          pictures of the KV pool and the page tables from real engine state (text, SVG)

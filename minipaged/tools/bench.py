@@ -9,7 +9,7 @@ report.py, the Hugging Face peer in bench_peers.py, the HTTP clients of ``bench 
 bench_serve.py, the machine's limits and the steps against them (``bench roofline``) in
 roofline.py, the compressed KV cache's quality (``bench quality``) in quality.py, block-sparse
 attention's (``bench sparse``) in sparse_quality.py, speculative decoding's (``bench spec-decode``)
-in spec_bench.py.
+in spec_bench.py, the parallel workers' (``bench parallel``) in parallel_bench.py.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from .report import memory_figures, plot_memory, print_result, print_roofline, p
 from .quality import check_quality_args, print_quality, run_quality
 from .roofline import check_roofline_args, run_roofline
 from .sparse_quality import check_sparse_args, print_sparse, run_sparse
+from .parallel_bench import print_parallel_bench, run_parallel_bench
 from .spec_bench import print_spec_bench, run_spec_bench
 from .workloads import PEER_WORKLOADS, WORKLOAD_ENGINE, WORKLOADS, BenchRequest, make_prompts, make_requests
 
@@ -106,6 +107,12 @@ def check_bench_args(args: argparse.Namespace, defaults: dict) -> None:
     if args.workload == "sparse":
         check_sparse_args({k: getattr(args, k) if getattr(args, k) is not None else v
                            for k, v in defaults.items()}, args.block_size or 16)
+    split = getattr(args, "tensor_parallel_size", 1) > 1 or getattr(args, "pipeline_parallel_size", 1) > 1
+    if split and args.workload == "parallel":
+        raise ValueError("the parallel workload compares the splits itself; run it without -tp / -pp")
+    if split and args.workload in ("roofline", "quality", "sparse"):
+        raise ValueError(f"the {args.workload} workload reaches into one worker's model and pool; "
+                         "run it without -tp / -pp")
     if args.workload == "memory" and args.enable_prefix_caching:
         raise ValueError("the memory workload compares paging with the contiguous baseline, which "
                          "has no prefix caching; run it without --enable-prefix-caching")
@@ -159,7 +166,8 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
     # the workloads that run their own engines and print their own table
     own = {"roofline": (run_roofline, print_roofline), "quality": (run_quality, print_quality),
-           "sparse": (run_sparse, print_sparse), "spec-decode": (run_spec_bench, print_spec_bench)}
+           "sparse": (run_sparse, print_sparse), "spec-decode": (run_spec_bench, print_spec_bench),
+           "parallel": (run_parallel_bench, print_parallel_bench)}
     if args.workload in own:
         run, show = own[args.workload]
         report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs,

@@ -12,7 +12,11 @@ swapping uses. Then:
      against dense on an 8K context;
   4. the throughput benchmark end to end, minipaged against Hugging Face transformers (fp16),
      on a random model with SmolLM2-135M's shapes (the real weights cannot be fetched there),
-     and greedy tokens of the GPU path against the CPU float32 path.
+     and greedy tokens of the GPU path against the CPU float32 path;
+  5. tensor and pipeline parallelism: TP=3 x PP=2 with every worker on this GPU (``uni``)
+     against one worker (tokens, the largest logit difference, seconds per step); the NCCL
+     path needs at least 2 GPUs (tests/test_gpu.py runs it there), and is recorded as skipped
+     on fewer.
 ``--smoke`` runs the same steps on the CPU (CUDA kernels through the CPU harness, tiny
 shapes) so the script itself is tested in CI.
 """
@@ -317,6 +321,55 @@ def end_to_end(dev: Device, smoke: bool, out: dict) -> None:
                                     "divergences_at_near_ties": near_ties}
 
 
+def parallel_report(dev: Device, smoke: bool, out: dict) -> None:
+    """Shards against one worker on the same device: tokens, logits, time per step."""
+    from ..engine.backend import release_device_memory
+    from ..engine.llm_engine import LLMEngine
+    from ..sampling_params import SamplingParams
+
+    shapes = dict(SMOLLM2_SHAPES, num_hidden_layers=4 if smoke else 30)
+    if smoke:
+        shapes.update(hidden_size=64, intermediate_size=96, vocab_size=300, max_position_embeddings=512)
+    model_dir = write_random_model(Path(tempfile.mkdtemp()) / "random-parallel", shapes)
+    device, dtype = ("cpu", "float32") if smoke else ("cuda", "float16")
+    prompts = [list(range(3 + 11 * i, 3 + 11 * i + 64)) for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=8 if smoke else 64, ignore_eos=True, detokenize=False)
+    rows = {}
+    for name, split in (("one_worker", {}), ("uni_tp3_pp2", dict(tensor_parallel_size=3, pipeline_parallel_size=2))):
+        engine = LLMEngine(str(model_dir), device=device, dtype=dtype, num_blocks=512, swap_space=0, **split)
+        logits, tokens = [], {}
+        execute = engine.executor.execute_model
+
+        def recorded(model_input, execute=execute, logits=logits):
+            result = execute(model_input)
+            logits.append(dev.asnumpy(result).astype(np.float32))
+            return result
+
+        engine.executor.execute_model = recorded
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+        started, steps = time.perf_counter(), 0
+        while engine.has_unfinished_requests() and steps < 1000:
+            steps += 1
+            for o in engine.step():
+                if o.finished:
+                    tokens[o.request_id] = o.outputs[0].token_ids
+        rows[name] = dict(tokens=tokens, logits=logits, seconds_per_step=(time.perf_counter() - started) / steps)
+        del engine
+        release_device_memory()
+    one, split = rows["one_worker"], rows["uni_tp3_pp2"]
+    if len(one["logits"]) != len(split["logits"]):
+        raise AssertionError(f"the split took {len(split['logits'])} forward passes, one worker "
+                             f"{len(one['logits'])}: the driver should plan the same steps")
+    diff = max([float(np.max(np.abs(a - b))) for a, b in zip(one["logits"], split["logits"]) if a.size] or [0.0])
+    out["parallel"] = {"uni_tp3_pp2": {"same_tokens": one["tokens"] == split["tokens"], "max_logit_diff": diff,
+                                       "seconds_per_step": split["seconds_per_step"],
+                                       "one_worker_seconds_per_step": one["seconds_per_step"]}}
+    gpus = 0 if smoke else int(dev.xp.cuda.runtime.getDeviceCount())
+    out["parallel"]["nccl_over_ray"] = ("skipped: needs at least 2 GPUs, this machine has "
+                                        f"{gpus}" if gpus < 2 else "run tests/test_gpu.py -k nccl")
+
+
 def preflight(smoke: bool) -> int:
     """Fail in seconds, and say why, if the kernels cannot compile or Numba CUDA cannot launch."""
     import os  # noqa: PLC0415
@@ -398,6 +451,7 @@ def main(argv=None) -> int:
     section("attention", attention)
     section("other_kernels", lambda: report.update(other_kernels=elementwise_report(dev, args.smoke)))
     section("end_to_end", lambda: end_to_end(dev, args.smoke, report))
+    section("parallel", lambda: parallel_report(dev, args.smoke, report))
     print(json.dumps(report, indent=2, default=str))
     return 1 if report.get("errors") else 0
 

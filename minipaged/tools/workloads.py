@@ -64,6 +64,10 @@ WORKLOADS = {
                     "chat, and the throughput trace (NUM_PROMPTS requests, OUTPUT_LEN tokens); "
                     "--speculative-config sets k and the lookup lengths",
                     dict(num_prompts=64, min_prompt_len=32, max_prompt_len=256, output_len=128)),
+    "parallel": ("one worker, two pipeline stages and three tensor-parallel ranks in this process, and two "
+                 "stages as Ray actors, side by side: seconds per step on a single stream and on the first "
+                 "NUM_PROMPTS requests of the throughput trace, and where a Ray step's time goes",
+                 dict(num_prompts=16, min_prompt_len=32, max_prompt_len=256, output_len=64)),
 }
 
 # Engine settings a workload fixes unless the command line sets them.
