@@ -238,7 +238,7 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
     # A compressed cache (kv_quant): values are widened to float32 as they are read (``widen``
     # is compiled for the cache's element type); int8 scales each token's score and value by
     # its own scale, fp8's layer scales fold into the queries and the output. KV_FORMAT is
-    # a constant of each compiled copy (``_per_format``), so every branch on it folds away.
+    # a constant of each compiled copy (``_specialize``), so every branch on it folds away.
     per_token = KV_FORMAT == KV_INT8
     fp8 = KV_FORMAT != KV_FLOAT and not per_token
     layer_k = k_scale[0, 0, 0] * fp8_widen_scale(KV_FORMAT) if fp8 else np.float32(1.0)
@@ -264,7 +264,7 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
             acc = np.zeros((rows, head_dim), np.float32)  # running sum of p * v
             row_max = np.full(rows, -np.inf, np.float32)  # running max score (online softmax)
             row_sum = np.zeros(rows, np.float32)          # running sum of p
-            scores = np.empty(block_size, np.float32)
+            scores = np.empty((4, block_size), np.float32)   # a block's scores, then its p, per head
             for r in range(rows):
                 for d in range(head_dim):
                     qs[r, d] = q[t0 + r // num_heads, r % num_heads, d] * (scale * layer_k)
@@ -274,40 +274,83 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
             sparse = keep > 0 and seq_end - seq_start == 1 and num_ctx_blocks > keep
             chosen = _choose_blocks(qs, key_min, key_max, block_tables[s], num_ctx_blocks, keep,
                                     num_heads, group) if sparse else _ALL_BLOCKS
+            # GQA: the `group` query heads of a KV head read the same keys and values, so
+            # HEADS of them (HEADS_TOGETHER, a constant of each compiled copy) go together:
+            # each K or V value loaded once feeds HEADS multiply-adds, kept in scalars.
+            heads = HEADS_TOGETHER
             for j in range(first_block, min(end_block, num_ctx_blocks)):
                 block = block_tables[s, j]
-                for r in range(rows):
-                    if sparse and not chosen[r, j]:
-                        continue
-                    kv_head = (r % num_heads) // group          # GQA: heads share a KV head
+                for qi in range(t1 - t0):
                     # causal: this query sees positions <= its own
-                    valid = min(block_size, first_pos + r // num_heads - j * block_size + 1)
+                    valid = min(block_size, first_pos + qi - j * block_size + 1)
                     if valid <= 0:
                         continue
-                    new_max = row_max[r]
-                    for o in range(valid):
-                        dot = np.float32(0.0)
-                        for d in range(head_dim):
-                            dot += qs[r, d] * widen(k_cache[block, kv_head, o, d], KV_FORMAT)
-                        if per_token:
-                            dot *= k_scale[block, kv_head, o]
-                        scores[o] = dot
-                        new_max = max(new_max, dot)
-                    correction = fast_exp(row_max[r] - new_max)
-                    total = row_sum[r] * correction
-                    for d in range(head_dim):
-                        acc[r, d] *= correction
-                    for o in range(valid):                   # the block's exps, vectorised
-                        scores[o] = fast_exp(scores[o] - new_max)
-                    for o in range(valid):
-                        p = scores[o]
-                        total += p
-                        if per_token:
-                            p *= v_scale[block, kv_head, o]
-                        for d in range(head_dim):
-                            acc[r, d] += p * widen(v_cache[block, kv_head, o, d], KV_FORMAT)
-                    row_sum[r] = total
-                    row_max[r] = new_max
+                    for kv_head in range(num_kv_heads):
+                        for g0 in range(0, group, heads):
+                            r0 = qi * num_heads + kv_head * group + g0   # rows r0 .. r0 + heads - 1
+                            if sparse:
+                                wanted = False
+                                for g in range(heads):
+                                    wanted = wanted or chosen[r0 + g, j]
+                                if not wanted:
+                                    continue
+                            for o in range(valid):               # the block's scores, key by key
+                                a0 = a1 = a2 = a3 = np.float32(0.0)
+                                for d in range(head_dim):
+                                    key = widen(k_cache[block, kv_head, o, d], KV_FORMAT)
+                                    a0 += qs[r0, d] * key
+                                    if heads > 1:
+                                        a1 += qs[r0 + 1, d] * key
+                                    if heads > 2:
+                                        a2 += qs[r0 + 2, d] * key
+                                    if heads > 3:
+                                        a3 += qs[r0 + 3, d] * key
+                                if per_token:
+                                    key_scale = k_scale[block, kv_head, o]
+                                    a0, a1, a2, a3 = a0 * key_scale, a1 * key_scale, a2 * key_scale, a3 * key_scale
+                                scores[0, o] = a0
+                                if heads > 1:
+                                    scores[1, o] = a1
+                                if heads > 2:
+                                    scores[2, o] = a2
+                                if heads > 3:
+                                    scores[3, o] = a3
+                            for g in range(heads):               # each head's online softmax
+                                r = r0 + g
+                                if sparse and not chosen[r, j]:  # this head skips the block
+                                    for o in range(valid):
+                                        scores[g, o] = 0.0
+                                    continue
+                                new_max = row_max[r]
+                                for o in range(valid):
+                                    new_max = max(new_max, scores[g, o])
+                                correction = fast_exp(row_max[r] - new_max)
+                                for d in range(head_dim):
+                                    acc[r, d] *= correction
+                                total = row_sum[r] * correction
+                                for o in range(valid):           # the block's exps, vectorised
+                                    scores[g, o] = fast_exp(scores[g, o] - new_max)
+                                for o in range(valid):
+                                    total += scores[g, o]
+                                row_sum[r] = total
+                                row_max[r] = new_max
+                            for o in range(valid):               # p * v, each value loaded once
+                                p0 = scores[0, o]
+                                p1 = scores[1, o] if heads > 1 else np.float32(0.0)
+                                p2 = scores[2, o] if heads > 2 else np.float32(0.0)
+                                p3 = scores[3, o] if heads > 3 else np.float32(0.0)
+                                if per_token:
+                                    value_scale = v_scale[block, kv_head, o]
+                                    p0, p1, p2, p3 = p0 * value_scale, p1 * value_scale, p2 * value_scale, p3 * value_scale
+                                for d in range(head_dim):
+                                    value = widen(v_cache[block, kv_head, o, d], KV_FORMAT)
+                                    acc[r0, d] += p0 * value
+                                    if heads > 1:
+                                        acc[r0 + 1, d] += p1 * value
+                                    if heads > 2:
+                                        acc[r0 + 2, d] += p2 * value
+                                    if heads > 3:
+                                        acc[r0 + 3, d] += p3 * value
             if slot >= 0:                               # a slice: merged afterwards
                 for r in range(rows):
                     part_max[slot, r] = row_max[r]
@@ -322,22 +365,33 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
 
 
 KV_FORMAT = KV_FLOAT     # what the copies below replace; read by the kernel body only
+HEADS_TOGETHER = 1       # query heads of a GQA group scored together (1 to 4): set in each copy
 _ALL_BLOCKS = np.ones((1, 1), np.bool_)   # dense attention: no selection
 
 
-def _per_format(fn, fmt: int):
-    """A copy of ``fn`` that sees KV_FORMAT = fmt, under its own name (Numba caches by name).
-    The copy reads a snapshot of this module's globals taken here: monkeypatching a constant
-    the kernel body reads (QUERY_TILE, say) later does not reach it."""
-    copy = types.FunctionType(fn.__code__, {**fn.__globals__, "KV_FORMAT": fmt}, f"{fn.__name__}_{fmt}",
+def _specialize(fn, **constants):
+    """A copy of ``fn`` that sees these module constants (KV_FORMAT, HEADS_TOGETHER) with the
+    given values, under its own name (Numba caches by name), so every branch on them folds
+    away. The copy reads a snapshot of this module's globals taken here: monkeypatching a
+    constant the kernel body reads (QUERY_TILE, say) later does not reach it."""
+    suffix = "_".join(str(v) for v in constants.values())
+    copy = types.FunctionType(fn.__code__, {**fn.__globals__, **constants}, f"{fn.__name__}_{suffix}",
                               fn.__defaults__, fn.__closure__)
-    copy.__qualname__ = f"{fn.__qualname__}_{fmt}"
+    copy.__qualname__ = f"{fn.__qualname__}_{suffix}"
     return copy
 
 
+def heads_together(group: int) -> int:
+    """How many query heads of a GQA group the decode kernel scores together: the largest
+    divisor of the group up to 4 (SmolLM2's 3; 4 of Llama-3's 4; 2 of a group of 6)."""
+    return max(n for n in (1, 2, 3, 4) if group % n == 0)
+
+
 # serial and threaded compilations for each storage format (float, int8, fp8 e4m3, fp8 e5m2)
-_paged_attention = {fmt: two_ways(_per_format(_paged_attention_body, fmt), "ATTENTION_PARALLEL_MIN_WORK")
-                    for fmt in (KV_FLOAT, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2)}
+# and each number of heads scored together, compiled on first use
+_paged_attention = {(fmt, heads): two_ways(_specialize(_paged_attention_body, KV_FORMAT=fmt, HEADS_TOGETHER=heads),
+                                           "ATTENTION_PARALLEL_MIN_WORK")
+                    for fmt in (KV_FLOAT, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2) for heads in (1, 2, 3, 4)}
 
 # Queries per sequence from which the two attention products go to BLAS instead.
 BLAS_MIN_QUERIES = 32
@@ -541,7 +595,8 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     if len(plan.work):
         fmt, k_scale, v_scale = ((KV_FLOAT, _NO_SCALES, _NO_SCALES) if quant is None
                                  else (quant.fmt, quant.k_scale, quant.v_scale))
-        kernel = _paged_attention[fmt](plan.work_estimate)
+        heads = heads_together(q.shape[1] // k_cache.shape[1])
+        kernel = _paged_attention[fmt, heads](plan.work_estimate)
         key_min, key_max, keep = ((_NO_BOUNDS, _NO_BOUNDS, 0) if bounds is None
                                   else (bounds.key_min, bounds.key_max, bounds.keep))
         slots = int(plan.merges[:, 3].sum()) if len(plan.merges) else 0

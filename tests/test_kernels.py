@@ -40,7 +40,7 @@ def random_batch(rng, *, block_size, num_heads, num_kv_heads, head_dim, seqs):
 def attention_cases(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64]))
     num_kv_heads = draw(st.integers(1, 3))
-    group = draw(st.sampled_from([1, 2, 3, 4]))
+    group = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))    # 6 and 8: two chunks of heads scored together
     head_dim = draw(st.sampled_from([4, 8, 16, 64]))
     seqs = []
     for _ in range(draw(st.integers(1, 5))):
@@ -62,6 +62,10 @@ def test_paged_attention_matches_spec(case):
     want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, scale)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_heads_scored_together_divide_the_group():
+    assert [cpu.heads_together(g) for g in (1, 2, 3, 4, 5, 6, 8, 12, 7)] == [1, 2, 3, 4, 1, 3, 4, 4, 1]
 
 
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
