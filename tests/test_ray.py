@@ -102,6 +102,19 @@ def test_two_engines_on_the_ray_minipaged_started(model_dir):
     assert "ray stopped: True" in done.stdout
 
 
+@pytest.mark.parametrize("address, words", [("127.0.0.1:1", "no Ray cluster answers at RAY_ADDRESS='127.0.0.1:1'"),
+                                            ("auto", "could not reach a Ray cluster (RAY_ADDRESS='auto')")])
+def test_a_ray_address_with_no_cluster_is_one_line_at_once(model_dir, address, words):
+    """Runs before the module's cluster starts (RAY_ADDRESS=auto would find that one)."""
+    env = {**os.environ, "RAY_ADDRESS": address}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "minipaged", "generate", "x", "--model", str(model_dir),
+                           "--device", "cpu", "--max-tokens", "2", "-pp", "2", "--distributed-executor-backend",
+                           "ray"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1 and words in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - start < 60
+
+
 def test_bundles_hold_what_the_actors_ask_for():
     for gpu in (False, True):
         bundle, options = ray_executor.worker_resources(gpu)
@@ -185,13 +198,28 @@ def test_tensor_parallelism_over_ray_on_cpus_is_refused(cluster, model_dir):
     assert "NCCL" in str(err.value) and "'uni'" in str(err.value) and "pipeline_parallel_size" in str(err.value)
 
 
-def test_a_cluster_too_small_is_refused_not_left_pending(cluster, model_dir, monkeypatch):
-    monkeypatch.setattr(ray_executor, "PLACEMENT_TIMEOUT_S", 3.0)
-    with pytest.raises(ConfigError, match="cannot place 3 workers of 1 CPU"):
+def test_a_cluster_too_small_is_refused_at_once(cluster, model_dir):
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="cannot place 3 workers of 1 CPU each: it has 2 CPUs in all"):
         make_llm(model_dir, num_blocks=16, pipeline_parallel_size=3, distributed_executor_backend="ray")
-    # the reservation was given back: a pipeline that fits still starts
+    assert time.monotonic() - start < 30
     llm = make_llm(model_dir, num_blocks=16, pipeline_parallel_size=2, distributed_executor_backend="ray")
     assert len(llm.llm_engine.executor.pids) == 2
+
+
+def test_a_busy_cluster_is_refused_not_left_pending(cluster, model_dir, monkeypatch):
+    """Both CPUs held by a first engine's workers: the second cannot be placed, and says why."""
+    monkeypatch.setattr(ray_executor, "PLACEMENT_TIMEOUT_S", 3.0)
+    first = make_llm(model_dir, num_blocks=16, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ConfigError, match="found no room for 2 workers of 1 CPU each in 3 s: it has 2 CPUs, 0 of"):
+        make_llm(model_dir, num_blocks=16, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    del first
+    gc.collect()
+    # the reservations were given back: a pipeline that fits starts again
+    llm = make_llm(model_dir, num_blocks=16, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    assert len(llm.llm_engine.executor.pids) == 2
+
+
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import socket
 import time
 import weakref
 
@@ -213,24 +214,30 @@ class RayExecutor:
         self._dead: str | None = None        # why this executor cannot step any more
         self._pending: list = []             # block moves sent ahead, checked with the next step
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
-            _RAY["started_here"] = True
+            _start_ray(ray, os.environ.get("RAY_ADDRESS"))
         _RAY["executors"] += 1
         # One bundle per worker, reserved together, so a cluster too small fails here, clearly,
         # instead of leaving an actor pending for ever.
         bundle, options = worker_resources(gpu)
-        self.placement = placement_group([dict(bundle) for _ in range(tp * pp)], strategy="PACK")
+        kind, world = ("GPU" if gpu else "CPU"), tp * pp
+        total = ray.cluster_resources().get(kind, 0)
         self.actors: list = []               # filled below; stopped when this executor goes
+        if total < world:                    # it can never fit: say so now
+            _stop_workers(ray, [], None)
+            raise ConfigError(f"the Ray cluster cannot place {world} workers of 1 {kind} each: it has {total:g} "
+                              f"{kind}s in all; start Ray with more (ray.init(num_cpus=...), or more machines), "
+                              "or lower tensor_parallel_size / pipeline_parallel_size")
+        self.placement = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
         self._finalizer = weakref.finalize(self, _stop_workers, ray, self.actors, self.placement)
         try:
             ray.get(self.placement.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            have = ray.cluster_resources()
+            free = ray.available_resources().get(kind, 0)
             self.shutdown()
-            kind = "GPU" if gpu else "CPU"
-            raise ConfigError(f"the Ray cluster cannot place {tp * pp} workers of 1 {kind} each: it has "
-                              f"{have.get(kind, 0):g} {kind}s in all (cluster resources: {have}); start Ray with "
-                              "more, or lower tensor_parallel_size / pipeline_parallel_size") from None
+            raise ConfigError(f"the Ray cluster found no room for {world} workers of 1 {kind} each in "
+                              f"{PLACEMENT_TIMEOUT_S:g} s: it has {total:g} {kind}s, {free:g} of them free (others, "
+                              "another engine's workers say, hold the rest); free them, or lower "
+                              "tensor_parallel_size / pipeline_parallel_size") from None
         actor = ray.remote(WorkerActor)
         self.stages = []                     # stages[pp_rank][tp_rank]: actor handles
         for p in range(pp):
@@ -350,13 +357,32 @@ class RayExecutor:
         self._finalizer()
 
 
+def _start_ray(ray, address: str | None) -> None:
+    """ray.init, local or at ``address``; a cluster that is not there is a one-line ConfigError,
+    at once (Ray itself would retry a dead address for minutes)."""
+    if address and address != "auto" and "://" not in address:
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=3).close()
+        except (OSError, ValueError):
+            raise ConfigError(f"no Ray cluster answers at RAY_ADDRESS={address!r}; start one there "
+                              "(ray start --head) or unset RAY_ADDRESS to start a local one") from None
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except ConnectionError as err:
+        raise ConfigError(f"could not reach a Ray cluster (RAY_ADDRESS={address!r}): {_first_line(err)}; start "
+                          "one (ray start --head) or unset RAY_ADDRESS to start a local one") from None
+    _RAY["started_here"] = True
+
+
 def _stop_workers(ray, actors: list, placement) -> None:
     """The executor's finalizer (run once): it holds the actors, never the executor or the engine."""
     _RAY["executors"] -= 1
     if ray.is_initialized():
         for actor in actors:
             ray.kill(actor)
-        ray.util.remove_placement_group(placement)
+        if placement is not None:
+            ray.util.remove_placement_group(placement)
         if _RAY["started_here"] and _RAY["executors"] == 0:
             ray.shutdown()
             _RAY["started_here"] = False

@@ -39,7 +39,8 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
     g.add_argument("--num-blocks", type=int, default=None,
                    help="number of KV blocks in the pool (overrides --kv-cache-space)")
     g.add_argument("--kv-cache-space", type=float, default=None,
-                   help="KV pool size in GiB on the CPU (default 4)")
+                   help="KV pool size in GiB on the CPU (default 4); shared by the workers of a split "
+                        "under uni, each Ray worker's own under ray")
     g.add_argument("--max-num-seqs", type=int, default=256,
                    help="most sequences running in one batch")
     g.add_argument("--max-model-len", type=int, default=None,
