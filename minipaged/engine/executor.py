@@ -53,15 +53,12 @@ def run_in_lock_step(runs: list):
 class UniExecutor:
     """Every worker in the driver's process, on the driver's one device."""
 
-    backend_name = "uni"
-
     def __init__(self, model_dir, model_config: LlamaConfig, cache_config: CacheConfig, parallel: ParallelConfig,
                  backend: Backend, max_model_len: int, max_num_batched_tokens: int, *,
                  extra_models=(), extra_bytes_per_block: int = 0) -> None:
         """``extra_models``: (model, config) pairs sharing the device and the block ids (a draft
         model), with ``extra_bytes_per_block`` their frames' bytes per block id."""
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        self.parallel = parallel
         tensors = load_checkpoint(model_dir)       # read once; each worker keeps its slices
         self.stages = [[Worker(ShardSpec(t, tp, p, pp), model_config, tensors, cache_config, backend, max_model_len)
                         for t in range(tp)] for p in range(pp)]           # stages[pp_rank][tp_rank]

@@ -194,8 +194,6 @@ class WorkerActor:
 class RayExecutor:
     """Workers as Ray actors: stage after stage, hidden states as Ray objects."""
 
-    backend_name = "ray"
-
     def __init__(self, model_dir, model_config: LlamaConfig, cache_config: CacheConfig, parallel: ParallelConfig,
                  backend: Backend, max_model_len: int, max_num_batched_tokens: int, *,
                  extra_models=(), extra_bytes_per_block: int = 0) -> None:
@@ -209,7 +207,6 @@ class RayExecutor:
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         gpu = backend.device == "cuda"
         self.ray = ray
-        self.parallel = parallel
         self.xp = backend.xp                 # the driver samples on its own device
         self._dead: str | None = None        # why this executor cannot step any more
         self._pending: list = []             # block moves sent ahead, checked with the next step
