@@ -1,5 +1,7 @@
 """The Numba CPU kernels against their NumPy specs (kernels/reference.py)."""
 
+import platform
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -133,8 +135,11 @@ def test_causal_softmax_matches_numpy(width):
         np.testing.assert_allclose(sums, want.sum(axis=1), rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
 @pytest.mark.parametrize("tokens", [1, 3, 200])
-def test_elementwise_kernels_match_spec(tokens):
+def test_elementwise_kernels_match_spec(monkeypatch, threads, tokens):
+    for threshold in ("PARALLEL_MIN_ELEMENTS", "LIGHT_PARALLEL_MIN_ELEMENTS"):
+        monkeypatch.setattr(cpu, threshold, 0 if threads == "parallel" else 1 << 62)
     rng = np.random.default_rng(tokens)
     x = rng.standard_normal((tokens, 96)).astype(np.float32)
     w = rng.standard_normal(96).astype(np.float32)
@@ -152,6 +157,34 @@ def test_elementwise_kernels_match_spec(tokens):
     np.testing.assert_allclose(cpu.rotary(heads, positions, cos, sin),
                                spec.rotary(heads, positions, cos, sin), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(heads, original)            # the input is left untouched
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 70), st.integers(0, 2**31))
+def test_row_max_matches_numpy(n, seed):
+    """Eight running maxima and a tail: the maximum wherever it sits, all-negative rows too."""
+    rng = np.random.default_rng(seed)
+    row = (rng.standard_normal(n + 5) * 100 - 50).astype(np.float32)
+    row[rng.integers(0, n)] = 1e30 if seed % 3 == 0 else row[0]
+    assert cpu._row_max(row, n) == row[:n].max()
+
+
+def test_prefetch_emits_a_prefetch_and_changes_nothing():
+    """The hint compiles to the CPU's prefetch instruction and leaves memory and results alone."""
+    from numba import njit
+
+    @njit
+    def touch_every_line(a):
+        for offset in range(0, a.nbytes, 64):
+            cpu.prefetch(a, offset)
+        return a.sum()
+
+    a = np.arange(4096, dtype=np.float32)
+    assert touch_every_line(a) == a.sum()
+    np.testing.assert_array_equal(a, np.arange(4096, dtype=np.float32))
+    asm = touch_every_line.inspect_asm(touch_every_line.signatures[0])
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert "prefetcht0" in asm
 
 
 @settings(max_examples=30, deadline=None)
