@@ -164,9 +164,10 @@ class CudaOps:
         return out
 
     # ------------------------------------------------------------------ matrix products
-    def linear(self, x, w):
+    def linear(self, x, w, packed=None):
         """x (T, in) times w (out, in) -> x @ w.T, (T, out): cuBLAS through CuPy, which reads
-        the transposed view in place (NumPy's BLAS in the harness)."""
+        the transposed view in place (NumPy's BLAS in the harness). ``packed`` (a CPU-side
+        packed copy) is never made for a GPU model and is ignored."""
         return x @ w.T
 
     # ------------------------------------------------------------------ fused elementwise

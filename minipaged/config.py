@@ -113,6 +113,7 @@ class SchedulerConfig:
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16")   # bfloat16 weights are widened on load; no bf16 kernels
+CPU_GEMMS = ("auto", "mkl", "numba")      # the CPU's linear layers (kernels/packed_gemm.py)
 
 
 @dataclass(frozen=True)
@@ -124,11 +125,13 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     max_logprobs: int = 20   # most logprobs a request may ask for (vLLM's default); -1: no cap
+    cpu_gemm: str = "auto"   # the CPU's linear layers: auto (oneMKL's packed GEMM if installed), mkl, numba
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model must be a name or a path")
         _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.cpu_gemm in CPU_GEMMS, f"cpu_gemm must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
         _require(_is_int(self.seed) and self.seed >= 0,
                  f"seed must be a non-negative integer, got {self.seed!r}")
         # A cap, not a cost: each request's top-k is one partition of its logits row,

@@ -38,6 +38,18 @@ class LayerWeights:
     down: np.ndarray        # (hidden, ffn)
 
 
+@dataclass(frozen=True)
+class PackedLayer:
+    """A layer's linear weights in a packed GEMM's layout (``kernels/packed_gemm.py``), or None each."""
+    qkv: object = None
+    o: object = None
+    gate_up: object = None
+    down: object = None
+
+
+NOT_PACKED = PackedLayer()
+
+
 def _get(tensors: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
     if name not in tensors:
         raise ModelFormatError(f"the checkpoint has no tensor {name!r}")
@@ -59,9 +71,12 @@ def run_to_end(run):
 
 class LlamaModel:
     def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray], ops,
-                 dtype=np.float32, max_positions: int | None = None, shard: ShardSpec | None = None) -> None:
+                 dtype=np.float32, max_positions: int | None = None, shard: ShardSpec | None = None,
+                 gemm=None) -> None:
         """``config`` and ``tensors`` are the worker's own (``sharding.shard_config`` /
-        ``shard_tensors``) when ``shard`` says it holds a slice of a bigger model."""
+        ``shard_tensors``) when ``shard`` says it holds a slice of a bigger model. ``gemm``: a
+        ``kernels.packed_gemm.PackedGemm`` (CPU, oneMKL installed): every linear weight and the
+        LM head get a packed copy, packed once here, which ``ops.linear`` multiplies by."""
         self.config = config
         self.shard = shard or ShardSpec()
         self.ops = ops
@@ -99,6 +114,15 @@ class LlamaModel:
                 gate_up=put(gate_up),
                 down=put(_get(tensors, p + "mlp.down_proj.weight", (h, ffn))),
             ))
+        # A packed GEMM's copies sit beside the (out, in) arrays, which stay what the
+        # tutorials, the sharding and the GPU read: twice the weights' memory, on the CPU.
+        self.packed = [NOT_PACKED] * len(self.layers)
+        self.lm_head_packed = None
+        if gemm is not None:
+            self.packed = [PackedLayer(*(gemm.pack_if_worth_it(w) for w in (layer.qkv, layer.o, layer.gate_up,
+                                                                             layer.down)))
+                           for layer in self.layers]
+            self.lm_head_packed = gemm.pack_if_worth_it(self.lm_head) if self.lm_head is not None else None
         cos, sin = rope_tables(c, max_positions or c.max_position_embeddings)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)  # (max_positions, head_dim // 2)
         self.scale = 1.0 / float(np.sqrt(c.head_dim))
@@ -106,9 +130,10 @@ class LlamaModel:
     @property
     def nbytes(self) -> int:
         """Bytes of every array the model holds on its device: weights and rotary tables."""
-        arrays = [self.embed, self.lm_head, self.final_norm, self.cos, self.sin]
-        for layer in self.layers:
-            arrays += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+        arrays = [self.embed, self.lm_head, self.final_norm, self.cos, self.sin, self.lm_head_packed]
+        for layer, packed in zip(self.layers, self.packed):
+            arrays += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down,
+                       packed.qkv, packed.o, packed.gate_up, packed.down]
         return sum(int(a.nbytes) for a in {id(a): a for a in arrays if a is not None}.values())   # a tied head once
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices,
@@ -140,9 +165,9 @@ class LlamaModel:
         split = self.shard.tp_size > 1
         hidden = self.embed[inputs] if self.shard.is_first_stage else inputs   # (T, hidden)
         plan = ops.plan_attention(meta)         # how attention splits this batch, for every layer
-        for i, layer in enumerate(self.layers):
+        for i, (layer, packed) in enumerate(zip(self.layers, self.packed)):
             x = ops.rms_norm(hidden, layer.input_norm, c.rms_norm_eps)          # (T, hidden)
-            qkv = ops.linear(x, layer.qkv)                                      # (T, q + 2kv)
+            qkv = ops.linear(x, layer.qkv, packed.qkv)                          # (T, q + 2kv)
             q = qkv[:, :q_size].reshape(num_tokens, c.num_attention_heads, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, c.num_key_value_heads, c.head_dim)
             v = qkv[:, q_size + kv_size:].reshape(num_tokens, c.num_key_value_heads, c.head_dim)
@@ -159,13 +184,13 @@ class LlamaModel:
                     ops.calibrate_kv_scales(k, v, quant)
                 ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, quant, bounds)
                 attn = ops.paged_attention(q, k_cache, v_cache, plan, self.scale, quant, bounds)
-            out = ops.linear(attn.reshape(num_tokens, q_size), layer.o)         # (T, hidden)
+            out = ops.linear(attn.reshape(num_tokens, q_size), layer.o, packed.o)   # (T, hidden)
             if split:                        # all-reduce: every rank's heads' share of the output
                 out = yield out
             hidden = hidden + out
             x = ops.rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-            gated = ops.silu_and_mul(ops.linear(x, layer.gate_up))             # (T, ffn)
-            out = ops.linear(gated, layer.down)                                 # (T, hidden)
+            gated = ops.silu_and_mul(ops.linear(x, layer.gate_up, packed.gate_up))   # (T, ffn)
+            out = ops.linear(gated, layer.down, packed.down)                    # (T, hidden)
             if split:                        # all-reduce: every rank's MLP columns' share
                 out = yield out
             hidden = hidden + out                                               # (T, hidden)
@@ -176,4 +201,4 @@ class LlamaModel:
         if logits_indices.shape[0] == 0:      # a step of prompt chunks only: nothing to sample
             return ops.xp.empty((0, c.vocab_size), dtype=self.lm_head.dtype)
         last = ops.rms_norm(hidden[logits_indices], self.final_norm, c.rms_norm_eps)  # (N, hidden)
-        return ops.linear(last, self.lm_head)                                 # (N, vocab)
+        return ops.linear(last, self.lm_head, self.lm_head_packed)            # (N, vocab)

@@ -17,8 +17,10 @@ Last, two things the measurement taught while the CPU path was made fast: a BLAS
 product of a few rows costs far more than reading the weight once (OpenBLAS packs the
 whole weight into its own layout first), so ``kernels/cpu.py`` ``linear`` sends
 up to SKINNY_MAX_ROWS rows (every decode batch up to 64) to a Numba kernel,
-``_skinny_linear``, that streams each weight row once for all of them; and two thread pools on the same cores must spin only briefly
-while they wait, then sleep.
+``_skinny_linear``, that streams each weight row once for all of them; that packing
+once, instead of at every call, is what a vendor's library offers (oneMKL's packed GEMM,
+``kernels/packed_gemm.py``, used from 8 rows when installed); and two thread pools on the
+same cores must spin only briefly while they wait, then sleep.
 
 The OS analogy: the machine's data sheet beside a profiler. ``perf`` and ``top`` tell
 you where each tick went; the data sheet tells you what the hardware could have done
@@ -46,6 +48,9 @@ Exercises (also printed at the end):
      compute-bound on this machine: solve B x (FLOPs per sequence) = ridge x (weight bytes +
      B x KV bytes per sequence). Is there always an answer, as the context grows? Then run
      bench roofline at that batch size: what ratio does the engine reach there?
+  3. With oneMKL installed, run  python -m minipaged bench roofline --batch-sizes 1,2,8,16,32,64
+     --cpu-gemm numba  and again with --cpu-gemm mkl. From which batch size does the packed GEMM
+     win, and why can it not win at B=1, where both stream the weights at the memory's speed?
 """
 
 import math
@@ -223,7 +228,33 @@ print("  kernels/cpu.py records them (one decode step's products, 2-core Xeon): 
       "through the skinny kernel 20 ms for 1 row, 23 for 2, 32 for 8, 43 for 16, 66 for 32, 102 for 64 "
       "(BLAS: 105)")
 
-print("\n5. Two thread pools on the same cores")
+print("\n5. Packing once: the CPU maker's own GEMM (oneMKL)")
+gemm = engine.backend.gemm                  # kernels/packed_gemm.py: None without the mkl wheel or with --cpu-gemm numba
+if gemm is None:
+    print("  oneMKL is not installed here (pip install 'minipaged[mkl]', x86-64): linear stays with the "
+          "skinny kernel and BLAS")
+else:
+    packed = gemm.pack(w)                   # once: MKL's own tiled layout of the weight
+    print(f"  cblas_sgemm_pack copied the {fmt_bytes(w.nbytes)} weight into MKL's layout once "
+          f"({fmt_bytes(packed.nbytes)} of address space: its tiles are padded); every product after "
+          "that skips the copy OpenBLAS makes at each call")
+    timed = {}
+    for m in (8, 16, 32, 64):
+        np.testing.assert_allclose(packed.apply(xs[m]), xs[m] @ w.T, rtol=1e-4, atol=1e-4)  # the same product
+        timed[m] = [math.inf, math.inf]
+        for _ in range(REPEATS // 4):
+            for i, fn in enumerate((lambda: cpu.linear(xs[m], w), lambda: packed.apply(xs[m]))):
+                start = time.perf_counter()
+                fn()
+                timed[m][i] = min(timed[m][i], time.perf_counter() - start)
+    print(f"  {'rows':>4} {'skinny':>7} {'packed':>7}  (as ratios to one row through x @ w.T)")
+    for m, (ours, theirs) in timed.items():
+        print(f"  {m:4} {ours / base:6.2f}x {theirs / base:6.2f}x")
+    print(f"  the engine packed every weight of {c.num_hidden_layers} layers and the LM head at load "
+          f"(model.packed, model.lm_head_packed); linear uses the packed copy from "
+          f"PACKED_MIN_ROWS = {cpu.PACKED_MIN_ROWS} rows, where whole decode steps measured it faster")
+
+print("\n6. Two thread pools on the same cores")
 libraries = thread_pools.openblas_libraries()
 wanted = int(os.environ.get("OPENBLAS_THREAD_TIMEOUT", thread_pools.THREAD_TIMEOUT))
 for info in libraries:
@@ -250,8 +281,11 @@ print("  why: numpy's BLAS and our Numba kernels each keep a pool of threads on 
       "for their default time)")
 print("  sleeping at once is no better: waking a sleeping pool costs ~70 us, more than many decode kernels "
       "take. So each pool spins briefly, then sleeps")
+if gemm is not None:
+    print("  oneMKL (step 5) adds no third pool: it was told to run on GNU OpenMP (MKL_Set_Threading_Layer), "
+          "the libgomp threads Numba's kernels use")
 
-print("\n6. The full table")
+print("\n7. The full table")
 print("  python -m minipaged bench roofline    decode at B = 1, 2, 4, 8, 16, 32, 64 and prefills of "
       "256 and 2048 tokens, against the same bound, with the same breakdown (--out keeps it as JSON)")
 print("  docs/benchmarks.md records the figures measured on the reference machine")

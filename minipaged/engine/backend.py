@@ -23,6 +23,7 @@ class Backend:
     device: str        # "cpu" or "cuda"
     ops: object        # kernels.cpu (a module) or kernels.cuda.CudaOps: xp, rms_norm, ..., paged_attention
     dtype: np.dtype    # weights and KV cache
+    gemm: object = None   # CPU: kernels.packed_gemm.PackedGemm (oneMKL) for the linear layers, or None
 
     @property
     def xp(self):
@@ -38,8 +39,9 @@ def cuda_available() -> bool:
         return False
 
 
-def select_backend(device: str, dtype: str) -> Backend:
-    """CUDA when asked for (or, with "auto", when CuPy sees a GPU), else the CPU."""
+def select_backend(device: str, dtype: str, cpu_gemm: str = "auto") -> Backend:
+    """CUDA when asked for (or, with "auto", when CuPy sees a GPU), else the CPU, whose linear
+    layers use oneMKL's packed GEMM when ``cpu_gemm`` allows and it is installed."""
     if device in ("cuda", "auto") and cuda_available():
         from ..kernels.cuda import gpu_ops  # noqa: PLC0415 (needs CuPy; compiles the .cu files once)
 
@@ -52,13 +54,16 @@ def select_backend(device: str, dtype: str) -> Backend:
     if dtype not in ("auto", "float32"):
         raise ValueError(f"dtype={dtype!r} is not supported on the CPU; use 'float32' or 'auto'")
     from ..kernels import cpu  # noqa: PLC0415 (compiles Numba kernels on first use)
+    from ..kernels.packed_gemm import load_packed_gemm  # noqa: PLC0415
+
+    gemm = load_packed_gemm(cpu_gemm, cpu.get_num_threads())
 
     stuck = settle_blas_threads()     # whatever came first, numpy or minipaged
     if stuck:
         logger.info("the BLAS at %s cannot be told to stop busy-waiting after each matmul, which "
                     "slows the Numba kernels down (up to 2x); set OPENBLAS_THREAD_TIMEOUT=16 before "
                     "numpy is imported", ", ".join(stuck))
-    return Backend("cpu", cpu, np.dtype(np.float32))
+    return Backend("cpu", cpu, np.dtype(np.float32), gemm)
 
 
 def release_device_memory() -> None:

@@ -58,9 +58,9 @@ class LLMEngine:
                  calculate_kv_scales: bool = False, sparse_attention_budget: int | None = None,
                  speculative_config=None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  distributed_executor_backend: str = "uni", seed: int = 0, log_stats_interval: float = 0.0,
-                 max_logprobs: int = 20) -> None:
+                 max_logprobs: int = 20, cpu_gemm: str = "auto") -> None:
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype, seed=seed,
-                                   max_logprobs=max_logprobs)
+                                   max_logprobs=max_logprobs, cpu_gemm=cpu_gemm)
         cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                    kv_cache_space=kv_cache_space, swap_space=swap_space,
                                    gpu_memory_utilization=gpu_memory_utilization,
@@ -121,7 +121,7 @@ class LLMEngine:
             num_scheduler_steps=num_scheduler_steps)
         self.max_model_len = self.scheduler_config.max_model_len
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.backend = select_backend(self.config.device, self.config.dtype)
+        self.backend = select_backend(self.config.device, self.config.dtype, self.config.cpu_gemm)
         check_executor(self.parallel_config, self.backend.device)
         draft = None      # (directory, config) of a draft model, checked before anything loads
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":

@@ -107,7 +107,8 @@ class WorkerActor:
     """What runs inside one Ray actor: a Worker, and its end of the NCCL group."""
 
     def __init__(self, shard: ShardSpec, model_dir: str, model_config: LlamaConfig, cache_config: CacheConfig,
-                 device: str, dtype: str, max_model_len: int, max_num_batched_tokens: int) -> None:
+                 device: str, dtype: str, max_model_len: int, max_num_batched_tokens: int,
+                 cpu_gemm: str = "numba") -> None:
         self.max_model_len, self.max_num_batched_tokens = max_model_len, max_num_batched_tokens
         self.group: NcclGroup | None = None
         self.seconds = {"unpack": 0.0, "compute": 0.0}   # where this worker's step time went
@@ -115,7 +116,7 @@ class WorkerActor:
         # bad checkpoint, say) to the driver, but a failed constructor only as "the actor died".
         self.load_error: Exception | None = None
         try:
-            self.backend = select_backend(device, dtype)
+            self.backend = select_backend(device, dtype, cpu_gemm)   # the driver's choice of GEMM
             self.worker = Worker(shard, model_config, load_checkpoint(model_dir), cache_config, self.backend,
                                  max_model_len)
         except Exception as err:  # noqa: BLE001 (handed to the driver as it is)
@@ -244,7 +245,7 @@ class RayExecutor:
                 stage.append(actor.options(**options, scheduling_strategy=strategy, max_concurrency=1).remote(
                     ShardSpec(t, tp, p, pp), str(model_dir), model_config, cache_config, backend.device,
                     "float32" if backend.dtype == np.float32 else "float16", max_model_len,
-                    max_num_batched_tokens))
+                    max_num_batched_tokens, "numba" if backend.gemm is None else "mkl"))
             self.stages.append(stage)
         self.actors.extend(a for stage in self.stages for a in stage)
         try:                                 # a bad model or budget: its own error, as with uni

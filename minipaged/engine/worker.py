@@ -40,7 +40,7 @@ class Worker:
         self.cache_config = cache_config
         self.config = shard_config(model_config, shard)          # this worker's heads, columns, layers
         self.model = LlamaModel(self.config, shard_tensors(tensors, model_config, shard), backend.ops,
-                                backend.dtype, max_positions=max_model_len, shard=shard)
+                                backend.dtype, max_positions=max_model_len, shard=shard, gemm=backend.gemm)
         self.runner = ModelRunner(self.model)
         self.cache: CacheEngine | None = None                    # after init_cache
         self.bytes_per_block = block_bytes(self.config, cache_config, backend.dtype)   # one frame here

@@ -86,6 +86,9 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
                         "(pip install 'minipaged[distributed]')")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="GPU: share of the device's memory for weights, activations and the KV cache")
+    g.add_argument("--cpu-gemm", default="auto", choices=["auto", "mkl", "numba"],
+                   help="the CPU's linear layers: oneMKL's packed GEMM (pip install 'minipaged[mkl]'; "
+                        "auto uses it when installed) or minipaged's Numba kernels and numpy's BLAS")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most log-probabilities a request may ask for per token (-1: no cap)")
@@ -109,7 +112,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 sparse_attention_budget=args.sparse_attention_budget,
                 speculative_config=args.speculative_config,
                 tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-                distributed_executor_backend=args.distributed_executor_backend)
+                distributed_executor_backend=args.distributed_executor_backend, cpu_gemm=args.cpu_gemm)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float,

@@ -140,11 +140,17 @@ def library_versions() -> dict:
     """What ran the engine: the libraries and the thread counts, for the JSON report."""
     import os  # noqa: PLC0415
 
+    import importlib.metadata  # noqa: PLC0415
+
     import numba  # noqa: PLC0415
     import numpy  # noqa: PLC0415
 
+    try:                                 # the CPU's linear layers use it when installed (--cpu-gemm)
+        mkl = importlib.metadata.version("mkl")
+    except importlib.metadata.PackageNotFoundError:
+        mkl = None
     return {"numpy": numpy.__version__, "numba": numba.__version__, "numba_threads": numba.get_num_threads(),
-            "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"), "cpu_count": os.cpu_count()}
+            "mkl": mkl, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"), "cpu_count": os.cpu_count()}
 
 
 def warm_up(engine: LLMEngine) -> None:

@@ -1,0 +1,146 @@
+"""Packed GEMM: the CPU maker's own matrix engine for the linear layers (a vendor's driver).
+
+Through numpy, OpenBLAS copies each weight into its own tiled layout at every call (it
+"packs" it) before multiplying. For a prefill of thousands of rows that copy is paid once
+for much arithmetic; for a decode step of 8-64 rows it is as costly as the product itself,
+and every decode step multiplies every weight again. Intel's oneMKL (the ``mkl`` wheel on
+PyPI, ``pip install 'minipaged[mkl]'``) lets a program pack a weight **once**
+(``cblas_sgemm_pack``) and then multiply any number of rows by the packed copy
+(``cblas_sgemm_compute``): the page cache of the analogy, applied to a weight's layout.
+
+MKL is loaded with ctypes and told to run on GNU OpenMP (``MKL_Set_Threading_Layer``), the
+runtime Numba's threaded kernels already use (libgomp), so its products share their thread
+pool and its spin setting (``minipaged/boot.py``): no third pool busy-waits on the cores.
+
+Without MKL (not installed, not x86-64, or ``cpu_gemm="numba"``), ``load_packed_gemm``
+returns None and ``kernels/cpu.py`` ``linear`` keeps its own kernels. The NumPy product
+``x @ w.T`` is the spec both are tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import mmap
+import platform
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+CPU_GEMMS = ("auto", "mkl", "numba")
+
+# oneMKL's CBLAS enumerations (mkl_cblas.h) and threading layers (mkl_service.h)
+_ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
+_THREADING_GNU = 3
+# cblas_sgemm_pack sizes its buffer for a typical row count; any count may then use it
+_PACK_ROWS_HINT = 64
+# MKL's packed copy takes at least ~8 MB of address space, whatever the matrix (a 64 x 32
+# one: 968x its size), and a small product gains nothing from it: weights with fewer
+# elements than this are not packed (SmolLM2's smallest, 576 x 576, has 331,776).
+MIN_PACKED_ELEMENTS = 1 << 18
+
+
+def find_mkl_library() -> str | None:
+    """The path of the ``mkl`` wheel's libmkl_rt, or None when it is not installed."""
+    try:
+        files = importlib.metadata.distribution("mkl").files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if re.fullmatch(r"libmkl_rt\.so(\.\d+)*", f.name):
+            return str(f.locate())
+    return None
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight (out, in) in MKL's packed layout, ready for any number of rows."""
+
+    gemm: PackedGemm
+    buffer: np.ndarray     # (bytes,) uint8: MKL's opaque packed copy of the weight (2-9x its size)
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.nbytes)
+
+    def apply(self, x: np.ndarray) -> np.ndarray:
+        """x (T, in) float32 -> x @ w.T, (T, out)."""
+        return self.gemm.matmul(x, self)
+
+
+class PackedGemm:
+    """oneMKL's packed single-precision GEMM, loaded from ``path`` with ctypes."""
+
+    def __init__(self, path: str, num_threads: int) -> None:
+        ctypes.CDLL("libgomp.so.1", mode=ctypes.RTLD_GLOBAL)   # MKL's GNU layer calls into it
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        lib.MKL_Set_Threading_Layer.restype = ctypes.c_int
+        lib.MKL_Set_Threading_Layer.argtypes = [ctypes.c_int]
+        lib.MKL_Set_Threading_Layer(_THREADING_GNU)              # before any other MKL call
+        lib.MKL_Set_Num_Threads.argtypes = [ctypes.c_int]
+        lib.MKL_Set_Num_Threads(num_threads)
+        i, p, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+        lib.cblas_sgemm_pack_get_size.restype = ctypes.c_size_t
+        lib.cblas_sgemm_pack_get_size.argtypes = [i, i, i, i]
+        lib.cblas_sgemm_pack.argtypes = [i, i, i, i, i, i, f, p, i, p]
+        lib.cblas_sgemm_compute.argtypes = [i, i, i, i, i, i, p, i, p, i, f, p, i]
+        self._lib = lib
+        self.path = path
+        self.num_threads = num_threads
+
+    def pack(self, w: np.ndarray) -> PackedWeight:
+        """Pack w (out, in) float32 as the right operand of x @ w.T."""
+        if w.ndim != 2 or w.dtype != np.float32:
+            raise ValueError(f"pack: w must be a (out, in) float32 matrix, got {w.dtype} {w.shape}")
+        w = np.ascontiguousarray(w)
+        n, k = w.shape
+        size = self._lib.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS_HINT, n, k)
+        # An anonymous mapping of its own, not numpy's allocator: numpy asks the kernel for
+        # huge pages on large arrays, and faulting those in (compacting memory for each) made
+        # packing SmolLM2 take 4.5 s instead of 0.3; the products ran as fast on either.
+        buffer = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)   # (bytes,)
+        # B = w.T: w row-major is B transposed, with leading dimension k
+        self._lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS_HINT, n, k, 1.0,
+                                   w.ctypes.data, k, buffer.ctypes.data)
+        return PackedWeight(self, buffer, n, k)
+
+    def pack_if_worth_it(self, w: np.ndarray) -> PackedWeight | None:
+        """``pack(w)`` for a float32 weight of at least MIN_PACKED_ELEMENTS elements, else None."""
+        return self.pack(w) if w.dtype == np.float32 and w.size >= MIN_PACKED_ELEMENTS else None
+
+    def matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
+        """x (T, in) @ w.T -> (T, out) float32."""
+        if x.ndim != 2 or x.shape[1] != w.in_features:
+            raise ValueError(f"matmul: x {x.shape} does not fit a packed ({w.out_features}, {w.in_features}) weight")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        rows = x.shape[0]
+        out = np.empty((rows, w.out_features), np.float32)            # (T, out)
+        if rows:
+            self._lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, rows, w.out_features, w.in_features,
+                                          x.ctypes.data, w.in_features, w.buffer.ctypes.data, 0, 0.0,
+                                          out.ctypes.data, w.out_features)
+        return out
+
+
+def load_packed_gemm(choice: str, num_threads: int) -> PackedGemm | None:
+    """``cpu_gemm``: "auto" (MKL when its wheel is installed on x86-64), "mkl" (required),
+    "numba" (never)."""
+    if choice not in CPU_GEMMS:
+        raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {choice!r}")
+    if choice == "numba":
+        return None
+    path = find_mkl_library() if platform.machine() in ("x86_64", "AMD64") else None
+    if path is None:
+        if choice == "mkl":
+            raise ValueError("cpu_gemm='mkl' needs Intel's oneMKL on an x86-64 CPU: pip install 'minipaged[mkl]' "
+                             "(or use cpu_gemm='auto' or 'numba')")
+        return None
+    try:
+        return PackedGemm(path, num_threads)
+    except (OSError, AttributeError) as e:        # a broken install: say so, or fall back
+        if choice == "mkl":
+            raise ValueError(f"cpu_gemm='mkl': oneMKL at {path} could not be loaded ({e})") from None
+        return None

@@ -1,0 +1,87 @@
+"""oneMKL's packed GEMM (kernels/packed_gemm.py) against numpy's product, and the engine's choice of it."""
+
+import numpy as np
+import pytest
+
+from minipaged import SamplingParams
+from minipaged.config import ConfigError
+from minipaged.kernels import cpu
+from minipaged.kernels import packed_gemm
+from tiny_model import make_llm
+
+GEMM = packed_gemm.load_packed_gemm("auto", 2)
+needs_mkl = pytest.mark.skipif(GEMM is None, reason="oneMKL is not installed (pip install 'minipaged[mkl]')")
+
+
+@needs_mkl
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (49, 7), (1, 3)])
+def test_packed_products_match_numpy(out_features, in_features):
+    rng = np.random.default_rng(out_features)
+    w = rng.standard_normal((out_features, in_features)).astype(np.float32)   # (out, in)
+    packed = GEMM.pack(w)
+    assert (packed.out_features, packed.in_features) == w.shape
+    for rows in [*range(1, 65), 200, 0]:
+        x = rng.standard_normal((rows, in_features)).astype(np.float32)        # (T, in)
+        got = packed.apply(x)
+        assert got.shape == (rows, out_features) and got.dtype == np.float32
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
+@needs_mkl
+def test_linear_takes_the_packed_copy_from_its_row_threshold(monkeypatch):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    packed = GEMM.pack(w)
+    calls = []
+    real = packed_gemm.PackedGemm.matmul
+    monkeypatch.setattr(packed_gemm.PackedGemm, "matmul", lambda self, x, pw: calls.append(len(x)) or real(self, x, pw))
+    for rows in (1, cpu.PACKED_MIN_ROWS, 9, 300):
+        x = rng.standard_normal((rows, 32)).astype(np.float32)
+        np.testing.assert_allclose(cpu.linear(x, w, packed), x @ w.T, rtol=1e-4, atol=1e-4)
+    assert calls == [r for r in (1, cpu.PACKED_MIN_ROWS, 9, 300) if r >= cpu.PACKED_MIN_ROWS]
+    with pytest.raises(ValueError, match="does not fit"):
+        packed.apply(np.ones((2, 31), np.float32))
+    with pytest.raises(ValueError, match="float32 matrix"):
+        GEMM.pack(np.ones((3, 4), np.float64))
+
+
+@needs_mkl
+def test_small_weights_are_not_packed():
+    assert GEMM.pack_if_worth_it(np.ones((64, 32), np.float32)) is None
+    assert GEMM.pack_if_worth_it(np.ones((576, 576), np.float32)) is not None
+    assert GEMM.pack_if_worth_it(np.ones((576, 576), np.float64)) is None
+
+
+def test_the_choice_of_gemm(monkeypatch):
+    assert packed_gemm.load_packed_gemm("numba", 2) is None
+    with pytest.raises(ValueError, match="cpu_gemm must be one of"):
+        packed_gemm.load_packed_gemm("blis", 2)
+    monkeypatch.setattr(packed_gemm, "find_mkl_library", lambda: None)
+    assert packed_gemm.load_packed_gemm("auto", 2) is None          # not installed: our kernels
+    with pytest.raises(ValueError, match=r"pip install 'minipaged\[mkl\]'"):
+        packed_gemm.load_packed_gemm("mkl", 2)
+
+
+def test_engine_refuses_an_unknown_gemm(tiny_model_dir):
+    with pytest.raises(ConfigError, match="cpu_gemm must be one of"):
+        make_llm(tiny_model_dir, cpu_gemm="openblas")
+
+
+@needs_mkl
+def test_greedy_tokens_are_the_same_through_mkl_and_numba(tiny_model_dir, monkeypatch):
+    """The packed weights change no token: batched greedy decoding (products of 1 to 5 rows,
+    and prefills) through MKL equals the Numba kernels and numpy's BLAS. (The tiny model's
+    weights are below the packing size, and 5 rows below MKL's row threshold: both lowered.)"""
+    monkeypatch.setattr(packed_gemm, "MIN_PACKED_ELEMENTS", 0)
+    monkeypatch.setattr(cpu, "PACKED_MIN_ROWS", 2)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11], [12] * 40, [13, 14], [15, 16, 17, 18, 19]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for choice in ("numba", "mkl"):
+        llm = make_llm(tiny_model_dir, cpu_gemm=choice, num_blocks=64, max_model_len=128)
+        engine = llm.llm_engine
+        assert (engine.backend.gemm is None) == (choice == "numba")
+        assert (engine.model.packed[0].qkv is None) == (choice == "numba")
+        assert (engine.model.lm_head_packed is None) == (choice == "numba")
+        outputs[choice] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs["mkl"] == outputs["numba"]
