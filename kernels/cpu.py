@@ -323,7 +323,7 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
             last_block = min(end_block, num_ctx_blocks)
             for j in range(first_block, last_block):
                 block = block_tables[s, j]
-                if j + 1 < last_block:   # the next block's K and V load while this one is scored
+                if j + 1 < last_block and not sparse:   # the next block's K and V load while this one is scored
                     _prefetch_block(k_cache, block_tables[s, j + 1])
                     _prefetch_block(v_cache, block_tables[s, j + 1])
                 for qi in range(t1 - t0):
@@ -743,6 +743,9 @@ def linear(x: np.ndarray, w: np.ndarray, packed=None) -> np.ndarray:
                          f"and w (out, in) with the same in")
     rows = x.shape[0]
     if packed is not None and rows >= PACKED_MIN_ROWS and x.dtype == np.float32:
+        if (packed.out_features, packed.in_features) != w.shape:
+            raise ValueError(f"linear: the packed copy is ({packed.out_features}, {packed.in_features}), "
+                             f"not w's {w.shape}")
         return packed.apply(x)
     if 1 <= rows <= SKINNY_MAX_ROWS and x.dtype == np.float32 and w.dtype == np.float32:
         x = np.ascontiguousarray(x)

@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import ctypes
 import importlib.metadata
+import logging
 import mmap
 import platform
 import re
+import sys
 from dataclasses import dataclass
 
 import numpy as np
+
+logger = logging.getLogger("minipaged")
 
 CPU_GEMMS = ("auto", "mkl", "numba")
 
 # oneMKL's CBLAS enumerations (mkl_cblas.h) and threading layers (mkl_service.h)
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
-_THREADING_GNU = 3
+_THREADING_GNU, _INTERFACE_LP64 = 3, 0
 # cblas_sgemm_pack sizes its buffer for a typical row count; any count may then use it
 _PACK_ROWS_HINT = 64
 # MKL's packed copy takes at least ~8 MB of address space, whatever the matrix (a 64 x 32
@@ -77,9 +81,14 @@ class PackedGemm:
     def __init__(self, path: str, num_threads: int) -> None:
         ctypes.CDLL("libgomp.so.1", mode=ctypes.RTLD_GLOBAL)   # MKL's GNU layer calls into it
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        lib.MKL_Set_Threading_Layer.restype = ctypes.c_int
-        lib.MKL_Set_Threading_Layer.argtypes = [ctypes.c_int]
-        lib.MKL_Set_Threading_Layer(_THREADING_GNU)              # before any other MKL call
+        for setter in (lib.MKL_Set_Interface_Layer, lib.MKL_Set_Threading_Layer):
+            setter.restype, setter.argtypes = ctypes.c_int, [ctypes.c_int]
+        # before any other MKL call: 32-bit integers (the c_int arguments below), GNU OpenMP
+        lib.MKL_Set_Interface_Layer(_INTERFACE_LP64)
+        self.threading_layer = lib.MKL_Set_Threading_Layer(_THREADING_GNU)
+        if self.threading_layer != _THREADING_GNU:   # another library set MKL up first
+            logger.info("oneMKL was already set up with threading layer %d by another library: its "
+                        "products run on that pool, beside Numba's", self.threading_layer)
         lib.MKL_Set_Num_Threads.argtypes = [ctypes.c_int]
         lib.MKL_Set_Num_Threads(num_threads)
         i, p, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
@@ -100,7 +109,7 @@ class PackedGemm:
         size = self._lib.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS_HINT, n, k)
         # An anonymous mapping of its own, not numpy's allocator: numpy asks the kernel for
         # huge pages on large arrays, and faulting those in (compacting memory for each) made
-        # packing SmolLM2 take 4.5 s instead of 0.3; the products ran as fast on either.
+        # packing SmolLM2 take 4.5 s instead of ~0.7; the products ran as fast on either.
         buffer = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)   # (bytes,)
         # B = w.T: w row-major is B transposed, with leading dimension k
         self._lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS_HINT, n, k, 1.0,
@@ -126,16 +135,17 @@ class PackedGemm:
 
 
 def load_packed_gemm(choice: str, num_threads: int) -> PackedGemm | None:
-    """``cpu_gemm``: "auto" (MKL when its wheel is installed on x86-64), "mkl" (required),
+    """``cpu_gemm``: "auto" (MKL when its wheel is installed, on Linux x86-64), "mkl" (required),
     "numba" (never)."""
     if choice not in CPU_GEMMS:
         raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {choice!r}")
     if choice == "numba":
         return None
-    path = find_mkl_library() if platform.machine() in ("x86_64", "AMD64") else None
+    linux_x86 = sys.platform.startswith("linux") and platform.machine() == "x86_64"
+    path = find_mkl_library() if linux_x86 else None
     if path is None:
         if choice == "mkl":
-            raise ValueError("cpu_gemm='mkl' needs Intel's oneMKL on an x86-64 CPU: pip install 'minipaged[mkl]' "
+            raise ValueError("cpu_gemm='mkl' needs Intel's oneMKL on Linux x86-64: pip install 'minipaged[mkl]' "
                              "(or use cpu_gemm='auto' or 'numba')")
         return None
     try:

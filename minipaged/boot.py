@@ -25,6 +25,13 @@ import sys
 THREAD_ENV = {} if "OMP_WAIT_POLICY" in os.environ else {"GOMP_SPINCOUNT": "3000", "KMP_BLOCKTIME": "0"}
 if "numpy" not in sys.modules:
     THREAD_ENV["OPENBLAS_THREAD_TIMEOUT"] = "16"
+# Numba takes the first threading layer it finds in its priority list, TBB before OpenMP. The
+# `mkl` wheel (kernels/packed_gemm.py) installs TBB as a dependency, which would move every
+# Numba kernel off OpenMP: off GOMP_SPINCOUNT, and off the libgomp pool oneMKL is told to
+# share. So OpenMP comes first; TBB or Numba's own workqueue only where OpenMP is missing.
+NUMBA_LAYERS = "omp tbb workqueue"
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    THREAD_ENV["NUMBA_THREADING_LAYER_PRIORITY"] = NUMBA_LAYERS
 THREAD_ENV = {k: v for k, v in THREAD_ENV.items() if k not in os.environ}  # the user's choice wins
 os.environ.update(THREAD_ENV)
 

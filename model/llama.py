@@ -115,7 +115,8 @@ class LlamaModel:
                 down=put(_get(tensors, p + "mlp.down_proj.weight", (h, ffn))),
             ))
         # A packed GEMM's copies sit beside the (out, in) arrays, which stay what the
-        # tutorials, the sharding and the GPU read: twice the weights' memory, on the CPU.
+        # tutorials, the sharding and the GPU read (SmolLM2: ~1.5x the weights' size more
+        # resident memory; the address space counted by nbytes is larger, docs/kernels.md).
         self.packed = [NOT_PACKED] * len(self.layers)
         self.lm_head_packed = None
         if gemm is not None:

@@ -197,3 +197,28 @@ def test_blas_threads_settle_when_numpy_is_imported_first():
     assert all(t != 16 for t in result["before"])     # numpy came first: OpenBLAS read no setting
     assert result["after"] == [16] * len(result["before"])
     assert result["a2"] == 6 * 2 + 7 * 5 + 8 * 8      # and BLAS still computes, its pool restarted
+
+
+@pytest.mark.parametrize("first", ["minipaged", "numba"])
+def test_numba_runs_on_openmp_whatever_came_first(first):
+    """TBB (the mkl wheel's dependency) would come before OpenMP in Numba's own order; minipaged
+    puts OpenMP first, whether Numba was imported before it or not; a user's layer wins."""
+    script = textwrap.dedent(f"""
+        import {first}
+        import numba, numpy as np
+        from minipaged.engine.backend import select_backend
+        from minipaged.kernels import cpu
+        select_backend("cpu", "auto", "numba")
+        cpu.silu_and_mul(np.ones((64, 4096), np.float32))   # a threaded kernel starts the pool
+        print(numba.threading_layer())
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_THREADING_LAYER")}
+    ours = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    mine = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**env, "NUMBA_THREADING_LAYER": "workqueue"})
+    assert mine.stdout.split()[-1:] == ["workqueue"], mine.stderr[-2000:]
+    try:
+        from numba.np.ufunc import omppool  # noqa: F401
+    except ImportError:
+        pytest.skip("this Numba has no OpenMP layer")
+    assert ours.stdout.split()[-1:] == ["omp"], ours.stderr[-2000:]

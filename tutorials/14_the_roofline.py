@@ -50,7 +50,8 @@ Exercises (also printed at the end):
      bench roofline at that batch size: what ratio does the engine reach there?
   3. With oneMKL installed, run  python -m minipaged bench roofline --batch-sizes 1,2,8,16,32,64
      --cpu-gemm numba  and again with --cpu-gemm mkl. From which batch size does the packed GEMM
-     win, and why can it not win at B=1, where both stream the weights at the memory's speed?
+     win? Set PACKED_MIN_ROWS in kernels/cpu.py to 1 and measure B=1 and B=2 again: why can
+     packing not help a product that only streams the weight once?
 """
 
 import math

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .thread_pools import settle_blas_threads
+from .thread_pools import settle_blas_threads, settle_numba_layer
 
 logger = logging.getLogger("minipaged")
 
@@ -24,6 +24,7 @@ class Backend:
     ops: object        # kernels.cpu (a module) or kernels.cuda.CudaOps: xp, rms_norm, ..., paged_attention
     dtype: np.dtype    # weights and KV cache
     gemm: object = None   # CPU: kernels.packed_gemm.PackedGemm (oneMKL) for the linear layers, or None
+    cpu_gemm: str = "auto"   # what was asked for (auto, mkl, numba): workers elsewhere resolve it themselves
 
     @property
     def xp(self):
@@ -53,6 +54,7 @@ def select_backend(device: str, dtype: str, cpu_gemm: str = "auto") -> Backend:
         logger.info("no CUDA GPU found; running on the CPU")
     if dtype not in ("auto", "float32"):
         raise ValueError(f"dtype={dtype!r} is not supported on the CPU; use 'float32' or 'auto'")
+    settle_numba_layer()              # OpenMP first, whatever was imported first
     from ..kernels import cpu  # noqa: PLC0415 (compiles Numba kernels on first use)
     from ..kernels.packed_gemm import load_packed_gemm  # noqa: PLC0415
 
@@ -63,7 +65,7 @@ def select_backend(device: str, dtype: str, cpu_gemm: str = "auto") -> Backend:
         logger.info("the BLAS at %s cannot be told to stop busy-waiting after each matmul, which "
                     "slows the Numba kernels down (up to 2x); set OPENBLAS_THREAD_TIMEOUT=16 before "
                     "numpy is imported", ", ".join(stuck))
-    return Backend("cpu", cpu, np.dtype(np.float32), gemm)
+    return Backend("cpu", cpu, np.dtype(np.float32), gemm, cpu_gemm)
 
 
 def release_device_memory() -> None:

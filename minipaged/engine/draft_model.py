@@ -68,12 +68,14 @@ def draft_cache_config(cache_config: CacheConfig) -> CacheConfig:
 
 
 class DraftModel:
-    def __init__(self, model_dir, config, ops, dtype, max_model_len: int, max_tokens_per_pass: int) -> None:
+    def __init__(self, model_dir, config, ops, dtype, max_model_len: int, max_tokens_per_pass: int,
+                 gemm=None) -> None:
         """The draft's weights; its pool comes once the target's is sized (``attach_pool``).
         ``max_tokens_per_pass``: a catch-up pass computes at most this many tokens (the step's
         token budget, which the GPU's pool sizing measured a pass of)."""
         self.config = config
-        self.model = LlamaModel(config, load_checkpoint(model_dir), ops, dtype, max_positions=max_model_len)
+        self.model = LlamaModel(config, load_checkpoint(model_dir), ops, dtype, max_positions=max_model_len,
+                                gemm=gemm)   # the target's packed GEMM, for the draft's big weights
         self.ops, self.dtype = ops, dtype
         self.max_tokens_per_pass = max_tokens_per_pass
         self.cache: CacheEngine | None = None

@@ -130,7 +130,7 @@ class LLMEngine:
         # a draft model is loaded before the pool is sized (its weights take memory too), and its
         # pool is indexed by the same block ids: each block costs both pools' bytes
         self.draft = (DraftModel(draft[0], draft[1], self.backend.ops, self.backend.dtype, self.max_model_len,
-                                 self.scheduler_config.max_num_batched_tokens) if draft else None)
+                                 self.scheduler_config.max_num_batched_tokens, self.backend.gemm) if draft else None)
         draft_bytes = DraftModel.bytes_per_block(draft[1], cache_config, self.backend.dtype) if draft else 0
         # The workers: each loads its shard and allocates its pool, all with the same block count
         self.executor = make_executor(

@@ -108,7 +108,7 @@ class WorkerActor:
 
     def __init__(self, shard: ShardSpec, model_dir: str, model_config: LlamaConfig, cache_config: CacheConfig,
                  device: str, dtype: str, max_model_len: int, max_num_batched_tokens: int,
-                 cpu_gemm: str = "numba") -> None:
+                 cpu_gemm: str = "auto") -> None:
         self.max_model_len, self.max_num_batched_tokens = max_model_len, max_num_batched_tokens
         self.group: NcclGroup | None = None
         self.seconds = {"unpack": 0.0, "compute": 0.0}   # where this worker's step time went
@@ -245,7 +245,7 @@ class RayExecutor:
                 stage.append(actor.options(**options, scheduling_strategy=strategy, max_concurrency=1).remote(
                     ShardSpec(t, tp, p, pp), str(model_dir), model_config, cache_config, backend.device,
                     "float32" if backend.dtype == np.float32 else "float16", max_model_len,
-                    max_num_batched_tokens, "numba" if backend.gemm is None else "mkl"))
+                    max_num_batched_tokens, backend.cpu_gemm))
             self.stages.append(stage)
         self.actors.extend(a for stage in self.stages for a in stage)
         try:                                 # a bad model or budget: its own error, as with uni

@@ -28,6 +28,21 @@ logger = logging.getLogger("minipaged")
 THREAD_TIMEOUT = 16   # OpenBLAS threads spin 2**16 cycles (~25 us), then sleep
 
 
+def settle_numba_layer() -> None:
+    """Numba read NUMBA_THREADING_LAYER_PRIORITY when it was imported; if that was before
+    ``minipaged/boot.py`` set it, give its config the same order now. The layer is chosen at
+    the first parallel kernel, so this holds until one has run (then it is too late, and
+    harmless: ``numba.threading_layer()`` says which layer runs)."""
+    import sys  # noqa: PLC0415
+
+    from .. import boot  # noqa: PLC0415
+
+    wanted = boot.THREAD_ENV.get("NUMBA_THREADING_LAYER_PRIORITY")
+    numba = sys.modules.get("numba")
+    if wanted and numba is not None and numba.config.THREADING_LAYER_PRIORITY != wanted.split():
+        numba.config.THREADING_LAYER_PRIORITY = wanted.split()
+
+
 def openblas_libraries() -> list[dict]:
     """threadpoolctl's record of each OpenBLAS loaded in this process (empty without one)."""
     try:
