@@ -99,7 +99,8 @@ class CudaOps:
             scale[...] = xp.where(top > 0, top / constant, 1.0)   # no host round trip
 
     # ------------------------------------------------------------------ attention
-    def plan_attention(self, meta: AttentionMetadata) -> CudaAttentionPlan:
+    def plan_attention(self, meta: AttentionMetadata, gemm=None) -> CudaAttentionPlan:
+        """``gemm`` (the CPU's oneMKL) is ignored here, as ``linear``'s ``packed`` is."""
         decode_only = meta.max_query_len == 1
         parts = 1
         if decode_only and meta.max_seq_len > SPLIT_K_ABOVE:

@@ -96,6 +96,7 @@ class PackedGemm:
         lib.cblas_sgemm_pack_get_size.argtypes = [i, i, i, i]
         lib.cblas_sgemm_pack.argtypes = [i, i, i, i, i, i, f, p, i, p]
         lib.cblas_sgemm_compute.argtypes = [i, i, i, i, i, i, p, i, p, i, f, p, i]
+        lib.cblas_sgemm.argtypes = [i, i, i, i, i, i, f, p, i, p, i, f, p, i]
         self._lib = lib
         self.path = path
         self.num_threads = num_threads
@@ -131,6 +132,25 @@ class PackedGemm:
             self._lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, rows, w.out_features, w.in_features,
                                           x.ctypes.data, w.in_features, w.buffer.ctypes.data, 0, 0.0,
                                           out.ctypes.data, w.out_features)
+        return out
+
+
+    def sgemm(self, a: np.ndarray, b: np.ndarray, trans_b: bool = False) -> np.ndarray:
+        """a (m, k) @ b (k, n), or a @ b.T for b (n, k) with ``trans_b``: MKL's plain sgemm,
+        for products whose operands change every call (attention's scores and values)."""
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        b = np.ascontiguousarray(b, dtype=np.float32)
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != (b.shape[1] if trans_b else b.shape[0]):
+            raise ValueError(f"sgemm: a {a.shape} and b {b.shape}{'.T' if trans_b else ''} do not multiply")
+        m, k = a.shape
+        n = b.shape[0] if trans_b else b.shape[1]
+        out = np.empty((m, n), np.float32)                                 # (m, n)
+        if m and n:
+            if k == 0:
+                out[:] = 0.0
+            else:
+                self._lib.cblas_sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS if trans_b else _NO_TRANS, m, n, k, 1.0,
+                                      a.ctypes.data, k, b.ctypes.data, b.shape[1], 0.0, out.ctypes.data, n)
         return out
 
 

@@ -119,6 +119,7 @@ class LlamaModel:
         # resident memory; the address space counted by nbytes is larger, docs/kernels.md).
         self.packed = [NOT_PACKED] * len(self.layers)
         self.lm_head_packed = None
+        self.gemm = gemm                     # also multiplies a prompt's attention (kernels/cpu.py)
         if gemm is not None:
             self.packed = [PackedLayer(*(gemm.pack_if_worth_it(w) for w in (layer.qkv, layer.o, layer.gate_up,
                                                                              layer.down)))
@@ -165,7 +166,7 @@ class LlamaModel:
         q_size, kv_size = c.q_size, c.kv_size
         split = self.shard.tp_size > 1
         hidden = self.embed[inputs] if self.shard.is_first_stage else inputs   # (T, hidden)
-        plan = ops.plan_attention(meta)         # how attention splits this batch, for every layer
+        plan = ops.plan_attention(meta, self.gemm)   # how attention splits this batch, for every layer
         for i, (layer, packed) in enumerate(zip(self.layers, self.packed)):
             x = ops.rms_norm(hidden, layer.input_norm, c.rms_norm_eps)          # (T, hidden)
             qkv = ops.linear(x, layer.qkv, packed.qkv)                          # (T, q + 2kv)

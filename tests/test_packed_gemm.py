@@ -70,11 +70,13 @@ def test_engine_refuses_an_unknown_gemm(tiny_model_dir):
 @needs_mkl
 def test_greedy_tokens_are_the_same_through_mkl_and_numba(tiny_model_dir, monkeypatch):
     """The packed weights change no token: batched greedy decoding (products of 1 to 5 rows,
-    and prefills) through MKL equals the Numba kernels and numpy's BLAS. (The tiny model's
+    and prefills, whose attention of 32 queries or more runs on MKL's sgemm too) through MKL
+    equals the Numba kernels and numpy's BLAS. (The tiny model's
     weights are below the packing size, and 5 rows below MKL's row threshold: both lowered.)"""
     monkeypatch.setattr(packed_gemm, "MIN_PACKED_ELEMENTS", 0)
     monkeypatch.setattr(cpu, "PACKED_MIN_ROWS", 2)
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11], [12] * 40, [13, 14], [15, 16, 17, 18, 19]]
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11], [12] * 40, [13, 14], [15, 16, 17, 18, 19],
+               [(7 * i) % 90 + 3 for i in range(70)]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = {}
     for choice in ("numba", "mkl"):
@@ -83,5 +85,52 @@ def test_greedy_tokens_are_the_same_through_mkl_and_numba(tiny_model_dir, monkey
         assert (engine.backend.gemm is None) == (choice == "numba")
         assert (engine.model.packed[0].qkv is None) == (choice == "numba")
         assert (engine.model.lm_head_packed is None) == (choice == "numba")
+        assert (engine.model.gemm is None) == (choice == "numba")
         outputs[choice] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["mkl"] == outputs["numba"]
+
+
+@needs_mkl
+@pytest.mark.parametrize("m,k,n", [(384, 64, 700), (5, 64, 1), (1, 1, 1), (0, 64, 3), (7, 0, 4)])
+def test_plain_sgemm_matches_numpy(m, k, n):
+    rng = np.random.default_rng(m + k + n)
+    a = rng.standard_normal((m, k)).astype(np.float32)       # (m, k)
+    b = rng.standard_normal((k, n)).astype(np.float32)       # (k, n)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(GEMM.sgemm(a, b), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(GEMM.sgemm(a, np.ascontiguousarray(b.T), trans_b=True), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="do not multiply"):
+        GEMM.sgemm(a, b.T if n != k else b[:, :0].T)
+
+
+@needs_mkl
+@pytest.mark.parametrize("seqs", [[(300, 300)], [(40, 90), (1, 17), (260, 260), (17, 33)]])
+def test_prompt_attention_through_mkl_matches_the_spec(seqs):
+    """A prompt's (and a chunk's) attention with MKL's products equals the NumPy spec, and numpy's path."""
+    from minipaged.kernels import reference as spec
+    from minipaged.kernels.layout import AttentionMetadata
+
+    rng = np.random.default_rng(len(seqs))
+    num_heads, kv_heads, head_dim, block = 9, 3, 64, 16
+    blocks_per_seq = [-(-n // block) for _, n in seqs]
+    shape = (sum(blocks_per_seq) + 3, kv_heads, block, head_dim)
+    k_cache = rng.standard_normal(shape).astype(np.float32)
+    v_cache = rng.standard_normal(shape).astype(np.float32)
+    physical = rng.permutation(shape[0])                      # scattered blocks: the page-table walk counts
+    tables = np.full((len(seqs), max(blocks_per_seq)), -1, np.int32)
+    used = 0
+    for s, count in enumerate(blocks_per_seq):
+        tables[s, :count] = physical[used:used + count]
+        used += count
+    qsl = np.concatenate([[0], np.cumsum([q for q, _ in seqs])]).astype(np.int32)
+    seq_lens = np.array([n for _, n in seqs], np.int32)
+    q = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(np.float32)
+    meta = AttentionMetadata(np.zeros(int(qsl[-1]), np.int64), qsl, seq_lens, tables,
+                             max(a for a, _ in seqs), int(seq_lens.max()))
+    plan = cpu.plan_attention(meta, GEMM)
+    assert len(plan.blas_seqs) >= 1 and plan.gemm is GEMM
+    got = cpu.paged_attention(q, k_cache, v_cache, plan, 0.125)
+    want = spec.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, cpu.paged_attention(q, k_cache, v_cache, cpu.plan_attention(meta), 0.125),
+                               rtol=1e-5, atol=1e-5)

@@ -394,13 +394,18 @@ def test_bench_serve_reports_like_vllms_serving_benchmark(tiny_model_dir, tmp_pa
                            "--device", "cpu", "--swap-space", "0.01", "--log-stats-interval", "0",
                            "--num-prompts", "6", "--min-prompt-len", "8", "--max-prompt-len", "30",
                            "--output-len", "5", "--request-rate", "40", "--max-concurrency", "4",
-                           "--compare-offline", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--compare-offline", "--compare-idle", "--repeats", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())["result"]
     assert result["requests"] == 6 and result["failed"] == 0 and result["output_tokens"] == 30
     for key in ("request_throughput", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "itl_p99_s",
-                "offline_output_tok_s", "server_vs_offline"):
+                "offline_output_tok_s", "server_vs_offline", "idle_ttft_p50_s", "ttft_p50_vs_idle"):
         assert result[key] > 0, key
+    # two whole measurements: each ratio is the median of its two runs
+    for ratio in ("server_vs_offline", "ttft_p50_vs_idle"):
+        runs = result[ratio + "_runs"]
+        assert len(runs) == 2 and result[ratio] == pytest.approx(sum(runs) / 2)
     assert "request_throughput" in done.stdout
 
 

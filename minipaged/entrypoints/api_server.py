@@ -412,6 +412,29 @@ class OpenAIServer:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
+class APIKeyCheck:
+    """``--api-key``: every /v1 request must carry ``Authorization: Bearer <key>``, else 401.
+
+    A plain ASGI middleware. Starlette's ``@app.middleware("http")`` (BaseHTTPMiddleware) would
+    hand every chunk of a streamed answer from the route's task to its own through a queue:
+    more work and more task switches on the event loop for each token of each stream.
+    """
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization")   # ASGI: lower-case byte names
+            if given != self.expected:
+                response = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                    "AuthenticationError", None, "invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class ClientGone(Exception):
     """The client disconnected before its answer was ready (its requests are aborted)."""
 
@@ -485,13 +508,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     metrics = ServerMetrics(served_model_name)
     engine.finished_listeners.append(metrics.observe_finished)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                "AuthenticationError", None, "invalid_api_key").response()
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(APIKeyCheck, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError):

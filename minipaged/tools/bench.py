@@ -61,6 +61,10 @@ def add_bench_parser(sub, add_engine_flags) -> None:
                         "starting one")
     p.add_argument("--compare-offline", action="store_true", default=None,
                    help="serve: also run the same prompts through LLMEngine in this process")
+    p.add_argument("--compare-idle", action="store_true", default=None,
+                   help="serve: also send the same prompts one at a time, for the TTFT against an idle server")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="serve: make the whole measurement this many times; ratios are the medians")
     p.add_argument("--batch-sizes", default=None, metavar="B,B,...",
                    help="roofline: decode batch sizes (default 1,2,4,8,16,32,64)")
     p.add_argument("--context-len", type=int, default=None, help="roofline: decode context, in tokens")
@@ -101,6 +105,11 @@ def check_bench_args(args: argparse.Namespace, defaults: dict) -> None:
     if args.workload == "roofline":
         check_roofline_args({k: getattr(args, k) if getattr(args, k) is not None else v
                              for k, v in defaults.items()})
+    if args.workload == "serve":
+        for key in ("repeats", "num_prompts"):
+            value = getattr(args, key)
+            if value is not None and value < 1:
+                raise ValueError(f"--{key.replace('_', '-')} must be an integer >= 1, got {value}")
     if args.workload == "quality":
         check_quality_args({k: getattr(args, k) if getattr(args, k) is not None else v
                             for k, v in defaults.items()})

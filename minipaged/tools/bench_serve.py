@@ -7,8 +7,11 @@ seeded random token-id prompt and a fixed output length (EOS ignored), so every 
 same work. Per request it records the time to the first token, the gaps between tokens and
 the end; the report has request throughput, output tokens/s, and TTFT / TPOT / ITL at p50
 and p99. The server is the one at ``--base-url``, or one it starts (``python -m minipaged
-serve`` in a child process, with the engine flags given here). ``--compare-offline`` then runs
-the same prompts through ``LLMEngine`` in this process, for the ratio of the two.
+serve`` in a child process, with the engine flags given here). ``--compare-idle`` then sends
+the same prompts one at a time, for the ratio of the TTFT medians (a load against an idle
+server); ``--compare-offline`` runs them through ``LLMEngine`` in this process, for the ratio
+of the output tokens/s. ``--repeats`` makes the whole measurement several times and reports
+the median ratios.
 
 The client side uses httpx (the serve extra); tokens are counted from the server's own
 ``usage`` chunk, not guessed from text.
@@ -25,7 +28,7 @@ import time
 
 import numpy as np
 
-from .measure import percentile
+from .measure import cpu_times, percentile, steal_fraction
 from .workloads import make_prompts
 
 
@@ -153,16 +156,40 @@ def offline_tok_s(engine_kwargs: dict, prompts: list[list[int]], output_len: int
 
 
 def bench_serve(args, cfg: dict, engine_kwargs: dict) -> dict:
-    """Run the clients against the server (started here unless --base-url); the report."""
+    """Run the clients against the server (started here unless --base-url); the report.
+
+    With ``repeats`` > 1 the whole measurement (the server's run, the idle run, the offline
+    run) is made that many times, alternating, and each ratio is the median of its runs: on
+    a shared 2-core machine one pair can differ by 20% from the next.
+    """
+    repeats = cfg.get("repeats") or 1
+    runs = [one_measurement(args, cfg, engine_kwargs) for _ in range(repeats)]
+    report = runs[0]
+    for ratio in ("server_vs_offline", "ttft_p50_vs_idle"):
+        if ratio in report and repeats > 1:
+            values = [r[ratio] for r in runs]
+            report[ratio] = float(np.median(values))
+            report[ratio + "_runs"] = values
+    if repeats > 1:
+        report["output_tok_s_runs"] = [r["output_tok_s"] for r in runs]
+        for key in ("offline_output_tok_s", "cpu_steal", "offline_cpu_steal"):
+            if key in report:
+                report[key + "_runs"] = [r[key] for r in runs]
+    return report
+
+
+def one_measurement(args, cfg: dict, engine_kwargs: dict) -> dict:
+    """One server run (and its idle run, its offline run when asked)."""
     server = None
     base_url = args.base_url
     if base_url is None:
         server = ChildServer({**engine_kwargs, "log_stats_interval": 0})
         base_url = server.base_url
+    base_url = base_url.rstrip("/")
     try:
         import httpx  # noqa: PLC0415
 
-        model = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=30).json()["data"][0]["id"]
+        model = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
         if args.base_url is None:
             from ..model.config import LlamaConfig  # noqa: PLC0415
             from ..model.fetch import resolve_model  # noqa: PLC0415
@@ -172,17 +199,31 @@ def bench_serve(args, cfg: dict, engine_kwargs: dict) -> dict:
             vocab = 256
         prompts = make_prompts(cfg["num_prompts"], cfg["min_prompt_len"], cfg["max_prompt_len"], vocab,
                                args.workload_seed)
-        # warm-up: compile the kernels, then measure
-        asyncio.run(run_clients(base_url.rstrip("/"), model, prompts[:2], 2, math.inf, None, 1))
-        results, elapsed = asyncio.run(run_clients(base_url.rstrip("/"), model, prompts, cfg["output_len"],
+        # warm-up: compile (or load) every kernel variant and touch the KV blocks the run will
+        # use: a batch of up to 8 prompts, then 2 alone (a first request alone paid 0.1-0.2 s more)
+        asyncio.run(run_clients(base_url, model, prompts[:8], 8, math.inf, None, 1))
+        asyncio.run(run_clients(base_url, model, prompts[:2], 2, math.inf, 1, 1))
+        before = cpu_times()
+        results, elapsed = asyncio.run(run_clients(base_url, model, prompts, cfg["output_len"],
                                                    cfg["request_rate"], cfg["max_concurrency"],
                                                    args.workload_seed))
+        steal = steal_fraction(before, cpu_times())
+        idle = None
+        if cfg.get("compare_idle"):   # the same prompts one at a time: each request alone on the server
+            idle = summarize(*asyncio.run(run_clients(base_url, model, prompts, cfg["output_len"], math.inf, 1,
+                                                      args.workload_seed)))
     finally:
         if server is not None:
             server.stop()
     report = summarize(results, elapsed)
+    report["cpu_steal"] = steal        # the hypervisor's share of the CPUs during the run
+    if idle is not None:
+        report["idle_ttft_p50_s"] = idle["ttft_p50_s"]
+        report["ttft_p50_vs_idle"] = report["ttft_p50_s"] / idle["ttft_p50_s"]
     if cfg.get("compare_offline"):
+        before = cpu_times()
         offline = offline_tok_s(engine_kwargs, prompts, cfg["output_len"])
+        report["offline_cpu_steal"] = steal_fraction(before, cpu_times())
         report["offline_output_tok_s"] = offline
         report["server_vs_offline"] = report["output_tok_s"] / offline
     return report

@@ -19,6 +19,27 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def cpu_times() -> tuple[int, int] | None:
+    """(stolen, total) clock ticks of all CPUs since boot, from Linux's /proc/stat; None elsewhere.
+
+    "Steal" is time the hypervisor gave this virtual machine's CPUs to another guest: on a
+    shared 2-core machine it is what makes one run 20% slower than the next.
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time stolen between two ``cpu_times()`` readings (None if unknown)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def run_workload(engine, requests: list[BenchRequest], progress: bool = True) -> dict:
     """Feed the requests (each at its arrival step), step until done; timings and token counts."""
     pending = sorted(enumerate(requests), key=lambda r: r[1].arrival_step)

@@ -42,10 +42,11 @@ WORKLOADS = {
                     num_blocks=512, max_model_len=1024)),
     "serve": ("N streaming clients against the HTTP server (one it starts, or --base-url), arriving as a "
               "Poisson process at REQUEST_RATE per second (inf: all at once), at most MAX_CONCURRENCY in "
-              "flight: request throughput, output tokens/s, TTFT / TPOT / ITL (with --compare-offline, the "
-              "same prompts through LLMEngine too)",
+              "flight: request throughput, output tokens/s, TTFT / TPOT / ITL (with --compare-idle, the same "
+              "prompts one at a time too; with --compare-offline, through LLMEngine too; --repeats N times, "
+              "the median ratios)",
               dict(num_prompts=32, min_prompt_len=32, max_prompt_len=256, output_len=128, request_rate=math.inf,
-                   max_concurrency=None, base_url=None, compare_offline=None)),
+                   max_concurrency=None, base_url=None, compare_offline=None, compare_idle=None, repeats=1)),
     "roofline": ("this machine's matmul peak and read bandwidth, then decode steps at each of BATCH_SIZES "
                  "(context CONTEXT_LEN) and prefills of PREFILL_LENS tokens, each against its bound "
                  "max(bytes / bandwidth, FLOPs / peak), with a breakdown of where the time goes",
