@@ -7,6 +7,8 @@ and every decode step multiplies every weight again. Intel's oneMKL (the ``mkl``
 PyPI, ``pip install 'minipaged[mkl]'``) lets a program pack a weight **once**
 (``cblas_sgemm_pack``) and then multiply any number of rows by the packed copy
 (``cblas_sgemm_compute``): the page cache of the analogy, applied to a weight's layout.
+Its plain ``cblas_sgemm`` (``PackedGemm.sgemm``) also multiplies a prompt's attention, whose
+operands (queries, gathered keys and values) change every call.
 
 MKL is loaded with ctypes and told to run on GNU OpenMP (``MKL_Set_Threading_Layer``), the
 runtime Numba's threaded kernels already use (libgomp), so its products share their thread
