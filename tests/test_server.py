@@ -58,6 +58,7 @@ def server(tiny_model_dir):
     yield s
     code, output = s.stop()
     assert code == 0, output[-3000:]
+    assert "warmed up in" in output        # engine/warm_up.py ran before the URL was printed
 
 
 @pytest.fixture(scope="module")

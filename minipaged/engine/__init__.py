@@ -3,6 +3,7 @@
     llm_engine.py        LLMEngine: add_request / step / abort_request / get_stats, the main loop
     llm.py               LLM: generate / chat / beam_search, vLLM's offline API over one LLMEngine
     async_llm_engine.py  AsyncLLMEngine: one engine loop shared by many concurrent callers (the server's)
+    warm_up.py           paging in the hot code at boot: dummy forward passes before the first request
     input_processor.py   a request checked in full before it is queued (exec()'s checks): RequestError
     backend.py           the hardware abstraction layer: picks the device and the kernel namespace
     thread_pools.py      BLAS's and Numba's thread pools told to yield the cores to each other,

@@ -32,6 +32,7 @@ from ..sequence import SequenceGroup
 from .beam_search import BeamSearchParams
 from .input_processor import RequestError
 from .llm_engine import LLMEngine
+from .warm_up import warm_up
 
 logger = logging.getLogger("minipaged")
 
@@ -148,6 +149,14 @@ class AsyncLLMEngine:
         if not self.is_running:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    def warm_up(self, calculate_kv_scales: bool = False) -> float | None:
+        """engine/warm_up.py's dummy passes, on the engine's own thread (where its steps, and
+        their OpenMP pool, will run), before the loop starts; the seconds taken, or None if
+        skipped."""
+        if self.is_running:
+            return None
+        return self._worker.submit(warm_up, self.engine, calculate_kv_scales).result()
 
     @property
     def is_running(self) -> bool:

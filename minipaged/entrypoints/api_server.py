@@ -662,6 +662,9 @@ def serve(engine_kwargs: dict, *, host: str = "127.0.0.1", port: int = 8000, ser
     """Build the engine, serve until Ctrl-C, then say what was aborted and that nothing is held."""
     name = served_model_name or str(engine_kwargs.get("model", "smollm2-135m-instruct"))
     engine = AsyncLLMEngine.from_engine_args(max_queued_requests=max_queued_requests, **engine_kwargs)
+    seconds = engine.warm_up(bool(engine_kwargs.get("calculate_kv_scales")))   # before the first client
+    if seconds is not None:
+        logger.info("warmed up in %.1f s: a prefill and decode batches, before the first request", seconds)
     server = Server(build_app(engine, name, api_key), engine, host, port, name)
     server.run()
     used = engine.engine.block_manager.num_used_blocks
