@@ -49,6 +49,8 @@ while url is None:
 base = url.removesuffix("/v1")
 name = httpx.get(f"{url}/models").json()["data"][0]["id"]
 print(f"   listening at {url}; it serves {name!r} (prefix caching on, as for chat)")
+print("   (before it listens it ran a few dummy forward passes, a prefill and decode batches of 1-64,"
+      "\n    so that the first client does not pay for loading the kernels: engine/warm_up.py)")
 
 
 def kv() -> dict:
