@@ -11,25 +11,9 @@ from minipaged.engine.backend import cuda_available
 from minipaged.kernels import reference as spec
 from minipaged.kernels.layout import AttentionMetadata
 
+from attention_batches import random_batch
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU with CuPy")]
-
-
-def random_batch(rng, *, block_size, num_heads, num_kv_heads, head_dim, seqs, dtype):
-    blocks_per_seq = [-(-n // block_size) for _, n in seqs]
-    num_blocks = sum(blocks_per_seq) + 2
-    k = rng.standard_normal((num_blocks, num_kv_heads, block_size, head_dim)).astype(dtype)
-    v = rng.standard_normal((num_blocks, num_kv_heads, block_size, head_dim)).astype(dtype)
-    physical = rng.permutation(num_blocks)
-    tables = np.full((len(seqs), max(blocks_per_seq)), -1, np.int32)
-    used = 0
-    for s, n in enumerate(blocks_per_seq):
-        tables[s, :n] = physical[used:used + n]
-        used += n
-    qsl = np.concatenate([[0], np.cumsum([q for q, _ in seqs])]).astype(np.int32)
-    lens = np.array([n for _, n in seqs], np.int32)
-    q = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(dtype)
-    return q, k, v, AttentionMetadata(np.zeros(len(q), np.int64), qsl, lens, tables, max(a for a, _ in seqs),
-                                      int(lens.max()))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

@@ -7,6 +7,7 @@ from minipaged import SamplingParams
 from minipaged.config import ConfigError
 from minipaged.kernels import cpu
 from minipaged.kernels import packed_gemm
+from attention_batches import random_batch
 from tiny_model import make_llm
 
 GEMM = packed_gemm.load_packed_gemm("auto", 2)
@@ -108,29 +109,14 @@ def test_plain_sgemm_matches_numpy(m, k, n):
 def test_prompt_attention_through_mkl_matches_the_spec(seqs):
     """A prompt's (and a chunk's) attention with MKL's products equals the NumPy spec, and numpy's path."""
     from minipaged.kernels import reference as spec
-    from minipaged.kernels.layout import AttentionMetadata
 
-    rng = np.random.default_rng(len(seqs))
-    num_heads, kv_heads, head_dim, block = 9, 3, 64, 16
-    blocks_per_seq = [-(-n // block) for _, n in seqs]
-    shape = (sum(blocks_per_seq) + 3, kv_heads, block, head_dim)
-    k_cache = rng.standard_normal(shape).astype(np.float32)
-    v_cache = rng.standard_normal(shape).astype(np.float32)
-    physical = rng.permutation(shape[0])                      # scattered blocks: the page-table walk counts
-    tables = np.full((len(seqs), max(blocks_per_seq)), -1, np.int32)
-    used = 0
-    for s, count in enumerate(blocks_per_seq):
-        tables[s, :count] = physical[used:used + count]
-        used += count
-    qsl = np.concatenate([[0], np.cumsum([q for q, _ in seqs])]).astype(np.int32)
-    seq_lens = np.array([n for _, n in seqs], np.int32)
-    q = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(np.float32)
-    meta = AttentionMetadata(np.zeros(int(qsl[-1]), np.int64), qsl, seq_lens, tables,
-                             max(a for a, _ in seqs), int(seq_lens.max()))
+    q, k_cache, v_cache, meta = random_batch(np.random.default_rng(len(seqs)), block_size=16, num_heads=9,
+                                             num_kv_heads=3, head_dim=64, seqs=seqs)
     plan = cpu.plan_attention(meta, GEMM)
     assert len(plan.blas_seqs) >= 1 and plan.gemm is GEMM
     got = cpu.paged_attention(q, k_cache, v_cache, plan, 0.125)
-    want = spec.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125)
+    want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                0.125)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got, cpu.paged_attention(q, k_cache, v_cache, cpu.plan_attention(meta), 0.125),
                                rtol=1e-5, atol=1e-5)

@@ -165,17 +165,18 @@ def bench_serve(args, cfg: dict, engine_kwargs: dict) -> dict:
     repeats = cfg.get("repeats") or 1
     runs = [one_measurement(args, cfg, engine_kwargs) for _ in range(repeats)]
     report = runs[0]
-    for ratio in ("server_vs_offline", "ttft_p50_vs_idle"):
-        if ratio in report and repeats > 1:
-            values = [r[ratio] for r in runs]
-            report[ratio] = float(np.median(values))
-            report[ratio + "_runs"] = values
     if repeats > 1:
-        report["output_tok_s_runs"] = [r["output_tok_s"] for r in runs]
-        for key in ("offline_output_tok_s", "cpu_steal", "offline_cpu_steal"):
+        for key in ("output_tok_s", "offline_output_tok_s", "cpu_steal", "offline_cpu_steal",
+                    *RATIOS):
             if key in report:
                 report[key + "_runs"] = [r[key] for r in runs]
+        for ratio in RATIOS:
+            if ratio in report:
+                report[ratio] = float(np.median(report[ratio + "_runs"]))
     return report
+
+
+RATIOS = ("server_vs_offline", "ttft_p50_vs_idle")    # reported as medians over the repeats
 
 
 def one_measurement(args, cfg: dict, engine_kwargs: dict) -> dict:
