@@ -10,7 +10,16 @@ from minipaged.kernels import packed_gemm
 from attention_batches import random_batch
 from tiny_model import make_llm
 
-GEMM = packed_gemm.load_packed_gemm("auto", 2)
+
+
+def _mkl_or_none():
+    try:
+        return packed_gemm.load_packed_gemm("mkl", 2)   # on any x86-64 maker's CPU, not only Intel's
+    except ValueError:
+        return None
+
+
+GEMM = _mkl_or_none()
 needs_mkl = pytest.mark.skipif(GEMM is None, reason="oneMKL is not installed (pip install 'minipaged[mkl]')")
 
 
@@ -57,10 +66,26 @@ def test_the_choice_of_gemm(monkeypatch):
     assert packed_gemm.load_packed_gemm("numba", 2) is None
     with pytest.raises(ValueError, match="cpu_gemm must be one of"):
         packed_gemm.load_packed_gemm("blis", 2)
+    if GEMM is not None:   # installed: "auto" takes it on Intel's CPUs only, "mkl" on any
+        assert isinstance(packed_gemm.load_packed_gemm("auto", 2, vendor="GenuineIntel"), packed_gemm.PackedGemm)
+        assert packed_gemm.load_packed_gemm("auto", 2, vendor="AuthenticAMD") is None
+        monkeypatch.setattr(packed_gemm, "cpu_vendor", lambda: "AuthenticAMD")
+        assert packed_gemm.load_packed_gemm("auto", 2) is None
+        assert isinstance(packed_gemm.load_packed_gemm("mkl", 2), packed_gemm.PackedGemm)
     monkeypatch.setattr(packed_gemm, "find_mkl_library", lambda: None)
-    assert packed_gemm.load_packed_gemm("auto", 2) is None          # not installed: our kernels
+    assert packed_gemm.load_packed_gemm("auto", 2, vendor="GenuineIntel") is None   # not installed: our kernels
     with pytest.raises(ValueError, match=r"pip install 'minipaged\[mkl\]'"):
         packed_gemm.load_packed_gemm("mkl", 2)
+
+
+def test_cpu_vendor_reads_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n\nprocessor\t: 1\n"
+                    "vendor_id\t: AuthenticAMD\n")
+    assert packed_gemm.cpu_vendor(str(info)) == "AuthenticAMD"
+    assert packed_gemm.cpu_vendor(str(tmp_path / "absent")) is None
+    info.write_text("processor\t: 0\nCPU implementer\t: 0x41\n")   # an Arm machine names no vendor_id
+    assert packed_gemm.cpu_vendor(str(info)) is None
 
 
 def test_engine_refuses_an_unknown_gemm(tiny_model_dir):

@@ -42,7 +42,8 @@ def cuda_available() -> bool:
 
 def select_backend(device: str, dtype: str, cpu_gemm: str = "auto") -> Backend:
     """CUDA when asked for (or, with "auto", when CuPy sees a GPU), else the CPU, whose linear
-    layers use oneMKL's packed GEMM when ``cpu_gemm`` allows and it is installed."""
+    layers use oneMKL's packed GEMM when ``cpu_gemm`` allows and it is installed ("auto": on
+    Intel's CPUs only)."""
     if device in ("cuda", "auto") and cuda_available():
         from ..kernels.cuda import gpu_ops  # noqa: PLC0415 (needs CuPy; compiles the .cu files once)
 
