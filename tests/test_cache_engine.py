@@ -3,6 +3,9 @@ figures, and the benchmark dropping each engine before it builds the next (on a 
 engine's pool would leave the next one no memory)."""
 
 import gc
+import os
+import subprocess
+import sys
 import weakref
 
 from minipaged.engine.cache_engine import kv_cache_blocks
@@ -110,3 +113,29 @@ def test_bench_runs_the_peer_before_any_engine_exists(tiny_model_dir, monkeypatc
     want = [r.prompt for r in bench.make_requests("throughput", {"num_prompts": 2, "min_prompt_len": 4,
                                                                  "max_prompt_len": 8, "output_len": 2}, vocab, 0)]
     assert seen["prompts"] == want
+
+
+def test_the_peer_process_does_not_see_this_repository_as_its_path(monkeypatch, tmp_path):
+    """``python -m`` puts its working directory first on sys.path; the peer must not start in
+    a checkout, whose top-level kernels/ and model/ would shadow Hugging Face's packages."""
+    from minipaged.tools import bench_peers
+
+    calls = {}
+    real_run = subprocess.run
+
+    def fake_run(cmd, **kwargs):
+        calls.update(cmd=cmd, **kwargs)
+        probe = real_run([sys.executable, "-c", "import importlib.util, json, minipaged; "
+                          "spec = importlib.util.find_spec('kernels'); "   # Hugging Face's, if installed
+                          "print(json.dumps({'kernels': spec and spec.origin, 'minipaged': minipaged.__name__}))"],
+                         capture_output=True, text=True, cwd=kwargs["cwd"], env=kwargs["env"])
+        return subprocess.CompletedProcess(cmd, 0, probe.stdout, probe.stderr)
+
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(checkout)
+    monkeypatch.setattr(bench_peers.subprocess, "run", fake_run)
+    got = bench_peers.run_peer("hf", "relative/model", [[1, 2]], 4)
+    assert got["minipaged"] == "minipaged"
+    assert got["kernels"] is None or not got["kernels"].startswith(checkout + os.sep)   # not ours
+    assert not os.path.exists(os.path.join(calls["cwd"], "kernels", "__init__.py"))
+    assert calls["cmd"][calls["cmd"].index("--model-dir") + 1] == os.path.abspath("relative/model")

@@ -13,9 +13,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from ..boot import THREAD_ENV
+
+PEER_CWD = tempfile.gettempdir()   # where the peer's process starts (see run_peer)
 
 
 def run_peer(peer: str, model_dir: str, prompts: list[list[int]], output_len: int,
@@ -23,13 +26,18 @@ def run_peer(peer: str, model_dir: str, prompts: list[list[int]], output_len: in
     """Run a peer on the same prompts in a child process (its threads never meet ours)."""
     import numba  # noqa: PLC0415 (only to ask how many threads we run)
 
-    cmd = [sys.executable, "-m", "minipaged.tools.bench_peers", peer, "--model-dir", model_dir,
+    cmd = [sys.executable, "-m", "minipaged.tools.bench_peers", peer, "--model-dir", os.path.abspath(model_dir),
            "--output-len", str(output_len), "--threads", str(numba.get_num_threads()),
            "--device", device, "--dtype", dtype]
     # The peer gets the environment the user gave us, not our thread settings
     # (passive OpenMP waiting would slow torch's own pool down).
     env = {k: v for k, v in os.environ.items() if k not in THREAD_ENV}
-    done = subprocess.run(cmd, input=json.dumps(prompts), capture_output=True, text=True, env=env)
+    # It starts in the temporary directory: ``python -m`` puts its working directory first on
+    # sys.path, and in a checkout that holds this repository's top-level ``kernels/`` and
+    # ``model/``, which transformers 5.25 then imports in place of Hugging Face's ``kernels``
+    # package ("cannot import name 'CUDAProperties' from 'kernels'").
+    done = subprocess.run(cmd, input=json.dumps(prompts), capture_output=True, text=True, env=env,
+                          cwd=PEER_CWD)
     if done.returncode != 0:
         raise RuntimeError(f"the {peer} peer failed (is the 'peers' extra installed?):\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
