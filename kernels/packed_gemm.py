@@ -158,16 +158,22 @@ class PackedGemm:
         return out
 
 
-def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str | None:
-    """The first ``vendor_id`` in /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...), or None."""
+def cpuinfo_field(name: str, cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The first CPU's ``name`` field in /proc/cpuinfo ("vendor_id", "model name"), or None."""
     try:
         with open(cpuinfo) as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == name:
+                    return value.strip()
     except OSError:
         pass
     return None
+
+
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The CPU's maker as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD", ...), or None."""
+    return cpuinfo_field("vendor_id", cpuinfo)
 
 
 def load_packed_gemm(choice: str, num_threads: int, vendor: str | None = None) -> PackedGemm | None:

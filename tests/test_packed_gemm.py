@@ -86,6 +86,7 @@ def test_cpu_vendor_reads_cpuinfo(tmp_path):
     assert packed_gemm.cpu_vendor(str(tmp_path / "absent")) is None
     info.write_text("processor\t: 0\nCPU implementer\t: 0x41\n")   # an Arm machine names no vendor_id
     assert packed_gemm.cpu_vendor(str(info)) is None
+    assert packed_gemm.cpuinfo_field("CPU implementer", str(info)) == "0x41"
 
 
 def test_engine_refuses_an_unknown_gemm(tiny_model_dir):

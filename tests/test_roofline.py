@@ -19,7 +19,7 @@ import pytest
 
 from minipaged.entrypoints.args import engine_kwargs
 from minipaged.entrypoints.cli import build_parser
-from minipaged.kernels import cpu, reference
+from minipaged.kernels import cpu, packed_gemm, reference
 from minipaged.engine import thread_pools
 from minipaged.tools import bench, roofline
 
@@ -119,7 +119,10 @@ def test_roofline_rows_against_the_models_own_arrays(tiny_model_dir, tmp_path, m
         assert row["matmul_flops"] == 2 * t * layer_weights + 2 * head     # one row gets logits
         assert row["fraction_of_peak"] == pytest.approx(row["flops"] / row["step_s"] / 2e10)
         assert sum(row["breakdown_s"].values()) == pytest.approx(row["step_s"], rel=1e-9)
-    assert report["versions"]["numpy"] == np.__version__
+    versions = report["versions"]
+    assert versions["numpy"] == np.__version__
+    assert versions["cpu_vendor"] == packed_gemm.cpu_vendor()        # what /proc/cpuinfo says, or None
+    assert versions["cpu_linear_layers"] == ("mkl" if engine.backend.gemm is not None else "numba")
 
 
 def test_roofline_refuses_what_it_cannot_measure_before_measuring(monkeypatch):

@@ -145,8 +145,9 @@ def runs_to_compare(workload: str, base: dict, cfg: dict) -> dict[str, dict]:
     return {"": base}
 
 
-def library_versions() -> dict:
-    """What ran the engine: the libraries and the thread counts, for the JSON report."""
+def library_versions(cpu_gemm: str = "auto") -> dict:
+    """What ran the engine: the CPU, the libraries and the thread counts, and which engine
+    ``cpu_gemm`` gave the CPU's linear layers ("mkl" or "numba"), for the JSON report."""
     import os  # noqa: PLC0415
 
     import importlib.metadata  # noqa: PLC0415
@@ -154,12 +155,20 @@ def library_versions() -> dict:
     import numba  # noqa: PLC0415
     import numpy  # noqa: PLC0415
 
+    from ..kernels.packed_gemm import cpuinfo_field, load_packed_gemm  # noqa: PLC0415
+
     try:                                 # the CPU's linear layers use it when installed (--cpu-gemm)
         mkl = importlib.metadata.version("mkl")
     except importlib.metadata.PackageNotFoundError:
         mkl = None
-    return {"numpy": numpy.__version__, "numba": numba.__version__, "numba_threads": numba.get_num_threads(),
-            "mkl": mkl, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"), "cpu_count": os.cpu_count()}
+    try:
+        linear = "mkl" if load_packed_gemm(cpu_gemm, numba.get_num_threads()) is not None else "numba"
+    except ValueError:                   # "mkl" asked for and not there: the engine refused it too
+        linear = None
+    return {"cpu_vendor": cpuinfo_field("vendor_id"), "cpu_model": cpuinfo_field("model name"),
+            "cpu_count": os.cpu_count(), "cpu_linear_layers": linear,
+            "numpy": numpy.__version__, "numba": numba.__version__, "numba_threads": numba.get_num_threads(),
+            "mkl": mkl, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS")}
 
 
 def warm_up(engine: LLMEngine) -> None:
@@ -186,7 +195,7 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
     if args.workload in own:
         run, show = own[args.workload]
         report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs,
-                  "versions": library_versions(), **run(engine_kwargs, cfg)}
+                  "versions": library_versions(engine_kwargs.get("cpu_gemm", "auto")), **run(engine_kwargs, cfg)}
         show(report)
         if args.out:
             with open(args.out, "w") as f:
@@ -230,7 +239,7 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
             histories[label] = engine.kv_history
     if args.plot:
         plot_memory(histories, args.plot)
-    report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs, "versions": library_versions()}
+    report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs, "versions": library_versions(engine_kwargs.get("cpu_gemm", "auto"))}
     if len(results) > 1:
         # one section per configuration: "paged" / "contiguous" (memory), "caching on" / "caching off"
         report.update(results)
