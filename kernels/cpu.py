@@ -326,9 +326,10 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
                 # The next block's K and V load while this one is scored, when the next block is
                 # elsewhere in the pool: the CPU's own prefetcher follows consecutive blocks, and
                 # asking for them anyway made the kernel up to 1.8x slower on an AMD EPYC.
-                if j + 1 < last_block and not sparse and block_tables[s, j + 1] != block + 1:
-                    _prefetch_block(k_cache, block_tables[s, j + 1])
-                    _prefetch_block(v_cache, block_tables[s, j + 1])
+                next_block = block_tables[s, j + 1] if j + 1 < last_block else block + 1
+                if not sparse and next_block != block + 1:
+                    _prefetch_block(k_cache, next_block)
+                    _prefetch_block(v_cache, next_block)
                 for qi in range(t1 - t0):
                     # causal: this query sees positions <= its own
                     valid = min(block_size, first_pos + qi - j * block_size + 1)

@@ -15,8 +15,8 @@ runtime Numba's threaded kernels already use (libgomp), so its products share th
 pool and its spin setting (``minipaged/boot.py``): no third pool busy-waits on the cores.
 
 Without MKL (not installed, not x86-64, another maker's CPU under ``cpu_gemm="auto"``, or
-``cpu_gemm="numba"``), ``load_packed_gemm`` returns None and ``kernels/cpu.py`` ``linear`` keeps its own kernels. The NumPy product
-``x @ w.T`` is the spec both are tested against.
+``cpu_gemm="numba"``), ``load_packed_gemm`` returns None and ``kernels/cpu.py`` ``linear``
+keeps its own kernels. The NumPy product ``x @ w.T`` is the spec both are tested against.
 """
 
 from __future__ import annotations

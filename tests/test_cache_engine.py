@@ -115,7 +115,7 @@ def test_bench_runs_the_peer_before_any_engine_exists(tiny_model_dir, monkeypatc
     assert seen["prompts"] == want
 
 
-def test_the_peer_process_does_not_see_this_repository_as_its_path(monkeypatch, tmp_path):
+def test_the_peer_process_does_not_see_this_repository_as_its_path(monkeypatch):
     """``python -m`` puts its working directory first on sys.path; the peer must not start in
     a checkout, whose top-level kernels/ and model/ would shadow Hugging Face's packages."""
     from minipaged.tools import bench_peers

@@ -11,7 +11,6 @@ from attention_batches import random_batch
 from tiny_model import make_llm
 
 
-
 def _mkl_or_none():
     try:
         return packed_gemm.load_packed_gemm("mkl", 2)   # on any x86-64 maker's CPU, not only Intel's

@@ -195,7 +195,7 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
     if args.workload in own:
         run, show = own[args.workload]
         report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs,
-                  "versions": library_versions(engine_kwargs.get("cpu_gemm", "auto")), **run(engine_kwargs, cfg)}
+                  "versions": library_versions(engine_kwargs["cpu_gemm"]), **run(engine_kwargs, cfg)}
         show(report)
         if args.out:
             with open(args.out, "w") as f:
@@ -239,7 +239,8 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
             histories[label] = engine.kv_history
     if args.plot:
         plot_memory(histories, args.plot)
-    report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs, "versions": library_versions(engine_kwargs.get("cpu_gemm", "auto"))}
+    report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs,
+              "versions": library_versions(engine_kwargs["cpu_gemm"])}
     if len(results) > 1:
         # one section per configuration: "paged" / "contiguous" (memory), "caching on" / "caching off"
         report.update(results)
