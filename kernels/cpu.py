@@ -23,6 +23,7 @@ from numba.extending import intrinsic
 from .kv_quant import (K_SCALE_CONSTANT, KV_FLOAT, KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8, V_SCALE_CONSTANT,
                        _float_from_bits, dequantize, float_to_fp8, fp8_widen_scale, widen)
 from .layout import AttentionMetadata, BlockBounds, KVQuant
+from .panel_gemm import PanelWeight, pack as pack_panels
 
 xp = np  # the array module this backend computes with
 
@@ -771,23 +772,36 @@ def _skinny_linear(x, w, out, chunks):
             n += 1
 
 
+def pack_linear(w: np.ndarray) -> PanelWeight | None:
+    """The copy of a linear weight w (out, in) that decode steps multiply by: its panels
+    (``kernels/panel_gemm.py``), made once when the model loads; None for a weight that is
+    not float32 (the panels are float32 only)."""
+    return pack_panels(w) if w.ndim == 2 and w.dtype == np.float32 else None
+
+
 def linear(x: np.ndarray, w: np.ndarray, packed=None) -> np.ndarray:
     """A linear layer: x (T, in) times w (out, in), the checkpoint's layout -> (T, out).
 
-    With ``packed``, w's copy in oneMKL's packed layout (``kernels/packed_gemm.py``), every
-    float32 product from PACKED_MIN_ROWS rows up is MKL's. Otherwise, up to SKINNY_MAX_ROWS
-    rows of float32 (every decode step of up to 64 sequences) go to ``_skinny_linear``,
-    which streams each weight row once for all of them; more rows (prefill) go to numpy's
-    BLAS gemm, which reads w transposed in place.
+    ``packed`` is w's second copy, made once by the model:
+    - w's panels (``pack_linear``, ``kernels/panel_gemm.py``): every float32 product of up to
+      SKINNY_MAX_ROWS rows (every decode step of up to 64 sequences) multiplies them;
+    - oneMKL's packed layout (``kernels/packed_gemm.py``): every float32 product from
+      PACKED_MIN_ROWS rows up is MKL's.
+    Otherwise, up to SKINNY_MAX_ROWS rows of float32 go to ``_skinny_linear``, which streams
+    each weight row once for all of them; more rows (prefill) go to numpy's BLAS gemm, which
+    reads w transposed in place.
     """
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear: x {x.shape} and w {w.shape} do not fit: x must be (T, in) "
                          f"and w (out, in) with the same in")
     rows = x.shape[0]
-    if packed is not None and rows >= PACKED_MIN_ROWS and x.dtype == np.float32:
-        if (packed.out_features, packed.in_features) != w.shape:
-            raise ValueError(f"linear: the packed copy is ({packed.out_features}, {packed.in_features}), "
-                             f"not w's {w.shape}")
+    if packed is not None and (packed.out_features, packed.in_features) != w.shape:
+        raise ValueError(f"linear: the packed copy is ({packed.out_features}, {packed.in_features}), "
+                         f"not w's {w.shape}")
+    if isinstance(packed, PanelWeight):
+        if 1 <= rows <= SKINNY_MAX_ROWS and x.dtype == np.float32:
+            return packed.apply(x, get_num_threads())
+    elif packed is not None and rows >= PACKED_MIN_ROWS and x.dtype == np.float32:
         return packed.apply(x)
     if 1 <= rows <= SKINNY_MAX_ROWS and x.dtype == np.float32 and w.dtype == np.float32:
         x = np.ascontiguousarray(x)

@@ -165,6 +165,10 @@ class CudaOps:
         return out
 
     # ------------------------------------------------------------------ matrix products
+    def pack_linear(self, w):
+        """None: cuBLAS reads every weight in the checkpoint's layout, so no second copy is made."""
+        return None
+
     def linear(self, x, w, packed=None):
         """x (T, in) times w (out, in) -> x @ w.T, (T, out): cuBLAS through CuPy, which reads
         the transposed view in place (NumPy's BLAS in the harness). ``packed`` (a CPU-side

@@ -40,14 +40,13 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class PackedLayer:
-    """A layer's linear weights in a packed GEMM's layout (``kernels/packed_gemm.py``), or None each."""
+    """A layer's linear weights in a layout made for their products (``kernels/packed_gemm.py``,
+    ``kernels/panel_gemm.py``), or None each."""
     qkv: object = None
     o: object = None
     gate_up: object = None
     down: object = None
 
-
-NOT_PACKED = PackedLayer()
 
 
 def _get(tensors: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -76,7 +75,8 @@ class LlamaModel:
         """``config`` and ``tensors`` are the worker's own (``sharding.shard_config`` /
         ``shard_tensors``) when ``shard`` says it holds a slice of a bigger model. ``gemm``: a
         ``kernels.packed_gemm.PackedGemm`` (CPU, oneMKL installed): every linear weight and the
-        LM head get a packed copy, packed once here, which ``ops.linear`` multiplies by."""
+        LM head get a packed copy, packed once here, which ``ops.linear`` multiplies by; without
+        it they get ``ops.pack_linear``'s copy (the CPU's panels, or None on the GPU)."""
         self.config = config
         self.shard = shard or ShardSpec()
         self.ops = ops
@@ -114,17 +114,16 @@ class LlamaModel:
                 gate_up=put(gate_up),
                 down=put(_get(tensors, p + "mlp.down_proj.weight", (h, ffn))),
             ))
-        # A packed GEMM's copies sit beside the (out, in) arrays, which stay what the
-        # tutorials, the sharding and the GPU read (SmolLM2: ~1.5x the weights' size more
-        # resident memory; the address space counted by nbytes is larger, docs/kernels.md).
-        self.packed = [NOT_PACKED] * len(self.layers)
-        self.lm_head_packed = None
+        # A second copy of each linear weight, laid out for its products, sits beside the
+        # (out, in) arrays, which stay what prefill's BLAS, the tutorials, the sharding and
+        # the GPU read: oneMKL's packed layout with ``gemm`` (~1.5x the weights' size more
+        # resident memory, docs/kernels.md), else the CPU's panels for decode steps
+        # (``ops.pack_linear``, kernels/panel_gemm.py: the weights' size again; the GPU makes none).
         self.gemm = gemm                     # also multiplies a prompt's attention (kernels/cpu.py)
-        if gemm is not None:
-            self.packed = [PackedLayer(*(gemm.pack_if_worth_it(w) for w in (layer.qkv, layer.o, layer.gate_up,
-                                                                             layer.down)))
-                           for layer in self.layers]
-            self.lm_head_packed = gemm.pack_if_worth_it(self.lm_head) if self.lm_head is not None else None
+        pack = gemm.pack_if_worth_it if gemm is not None else ops.pack_linear
+        self.packed = [PackedLayer(*(pack(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)))
+                       for layer in self.layers]
+        self.lm_head_packed = pack(self.lm_head) if self.lm_head is not None else None
         cos, sin = rope_tables(c, max_positions or c.max_position_embeddings)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)  # (max_positions, head_dim // 2)
         self.scale = 1.0 / float(np.sqrt(c.head_dim))

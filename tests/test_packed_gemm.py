@@ -7,6 +7,7 @@ from minipaged import SamplingParams
 from minipaged.config import ConfigError
 from minipaged.kernels import cpu
 from minipaged.kernels import packed_gemm
+from minipaged.kernels.panel_gemm import PanelWeight
 from attention_batches import random_batch
 from tiny_model import make_llm
 
@@ -97,7 +98,7 @@ def test_engine_refuses_an_unknown_gemm(tiny_model_dir):
 def test_greedy_tokens_are_the_same_through_mkl_and_numba(tiny_model_dir, monkeypatch):
     """The packed weights change no token: batched greedy decoding (products of 1 to 5 rows,
     and prefills, whose attention of 32 queries or more runs on MKL's sgemm too) through MKL
-    equals the Numba kernels and numpy's BLAS. (The tiny model's
+    equals the Numba panels and numpy's BLAS. (The tiny model's
     weights are below the packing size, and 5 rows below MKL's row threshold: both lowered.)"""
     monkeypatch.setattr(packed_gemm, "MIN_PACKED_ELEMENTS", 0)
     monkeypatch.setattr(cpu, "PACKED_MIN_ROWS", 2)
@@ -109,8 +110,9 @@ def test_greedy_tokens_are_the_same_through_mkl_and_numba(tiny_model_dir, monkey
         llm = make_llm(tiny_model_dir, cpu_gemm=choice, num_blocks=64, max_model_len=128)
         engine = llm.llm_engine
         assert (engine.backend.gemm is None) == (choice == "numba")
-        assert (engine.model.packed[0].qkv is None) == (choice == "numba")
-        assert (engine.model.lm_head_packed is None) == (choice == "numba")
+        copy = PanelWeight if choice == "numba" else packed_gemm.PackedWeight   # the second copy's kind
+        assert isinstance(engine.model.packed[0].qkv, copy)
+        assert isinstance(engine.model.lm_head_packed, copy)
         assert (engine.model.gemm is None) == (choice == "numba")
         outputs[choice] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["mkl"] == outputs["numba"]

@@ -193,12 +193,13 @@ def test_t14_the_roofline():
     assert "measured: prefilled 4 x 128 tokens in" in out and "measured: prefill 256:" in out
     assert re.search(r"\n +B=1 +\d+ +[\d.]+ +[\d.]+ +[\d.]+ ", out) and re.search(r"\n +T=256 +[\d.]+ ", out)
     assert "the LM head is tied: the embedding matrix itself, read once per step (49,152 x 576)" in out
-    assert re.search(r"\n +B=2: [\d.]+x the bound of B=1, .*\(linear: skinny kernel, step 4\)", out)
+    assert re.search(r"\n +B=2: [\d.]+x the bound of B=1, .*\(linear: (panels|skinny kernel), step 4\)", out)
     assert "the weight: 3072 x 576 float32 (7.1 MB)" in out
-    assert re.search(r"\n +1 +1\.00x +[\d.]+x +skinny kernel\n +2 +[\d.]+x +[\d.]+x +skinny kernel\n", out)
-    assert re.search(r"\n +64 +[\d.]+x +[\d.]+x +skinny kernel\n +128 +[\d.]+x +[\d.]+x +BLAS gemm\n", out)
-    assert re.search(r"so linear runs the skinny kernel for 1\.\.\d+ rows, and BLAS's gemm for more", out)
-    assert ("oneMKL is not installed here" in out
+    assert re.search(r"\n +1 +1\.00x +[\d.]+x +[\d.]+x +panels\n +2 +[\d.]+x +[\d.]+x +[\d.]+x +panels\n", out)
+    assert re.search(r"\n +64 +[\d.]+x +[\d.]+x +[\d.]+x +panels\n +128 +[\d.]+x +[\d.]+x +[\d.]+x +BLAS gemm\n", out)
+    assert re.search(r"the panels beat the skinny kernel at \d+ of 8 row counts", out)
+    assert re.search(r"so linear runs the panels for 1\.\.\d+ rows, and BLAS's gemm for more", out)
+    assert ("oneMKL is not used here" in out
             or re.search(r"\n +64 +[\d.]+x +[\d.]+x\n +the engine packed every weight of 30 layers", out))
     assert "minipaged sets OPENBLAS_THREAD_TIMEOUT=16 (OpenBLAS's threads spin 2**16 cycles" in out
     assert re.search(r"for Numba's OpenMP pool, GOMP_SPINCOUNT=\d+ .* KMP_BLOCKTIME=\d+", out)

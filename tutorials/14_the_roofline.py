@@ -13,14 +13,17 @@ must do, and so its bound, the time it could not beat even on a perfect engine:
 
 Then real engine steps, timed against that bound and split into matrix products, the
 LM head, attention, the other kernels, the sampler and the Python around the model.
-Last, two things the measurement taught while the CPU path was made fast: a BLAS
-product of a few rows costs far more than reading the weight once (OpenBLAS packs the
-whole weight into its own layout first), so ``kernels/cpu.py`` ``linear`` sends
-up to SKINNY_MAX_ROWS rows (every decode batch up to 64) to a Numba kernel,
-``_skinny_linear``, that streams each weight row once for all of them; that packing
-once, instead of at every call, is what a vendor's library offers (oneMKL's packed GEMM,
-``kernels/packed_gemm.py``, used from 8 rows when installed); and two thread pools on the
-same cores must spin only briefly while they wait, then sleep.
+Last, what the measurement taught while the CPU path was made fast: a BLAS product of a
+few rows costs far more than reading the weight once (OpenBLAS packs the whole weight
+into its own layout first, at every call), so ``kernels/cpu.py`` ``linear`` sends up to
+SKINNY_MAX_ROWS rows (every decode batch up to 64) to Numba kernels that stream each
+weight once for all of them: ``_skinny_linear`` reads the checkpoint's rows, dot product
+by dot product, and the panel kernel (``kernels/panel_gemm.py``, on ``kernels/simd.py``'s
+registers) reads a copy of each weight laid out once, at load, for the product, which is
+what the engine multiplies by; that packing once, instead of at every call, is also what a
+vendor's library offers (oneMKL's packed GEMM, ``kernels/packed_gemm.py``, used from 8 rows
+on Intel's CPUs when installed); and two thread pools on the same cores must spin only
+briefly while they wait, then sleep.
 
 The OS analogy: the machine's data sheet beside a profiler. ``perf`` and ``top`` tell
 you where each tick went; the data sheet tells you what the hardware could have done
@@ -52,6 +55,10 @@ Exercises (also printed at the end):
      --cpu-gemm numba  and again with --cpu-gemm mkl. From which batch size does the packed GEMM
      win? Set PACKED_MIN_ROWS in kernels/cpu.py to 1 and measure B=1 and B=2 again: why can
      packing not help a product that only streams the weight once?
+  4. In kernels/panel_gemm.py, delete the tile of 8 rows (the first ``while`` loop of
+     _panel_product), so that every 8 rows pass over a panel as two tiles of 4 with 8
+     registers of sums each, and rerun  python -m minipaged bench roofline --batch-sizes 4,8,16,32
+     --prefill-lens ""  What do the 16 registers of the 8-row tile buy, and at which batch sizes?
 """
 
 import math
@@ -63,11 +70,12 @@ import numpy as np
 import numba
 from minipaged.engine import thread_pools
 from minipaged.kernels import cpu
+from minipaged.kernels.panel_gemm import PanelWeight
 from minipaged.tools import roofline
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
 CONTEXT = 128                 # tokens of context of the decode steps
-DECODE_BATCHES = (1, 2, 4)    # batch sizes measured in step 3 (all through the skinny kernel)
+DECODE_BATCHES = (1, 2, 4)    # batch sizes measured in step 3 (all through the panels)
 DECODE_STEPS = 4              # decode steps timed at each batch size
 PREFILL_LEN = 256             # the prompt of the prefill measured in step 3
 ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128)   # rows of the products of step 4 (128: past SKINNY_MAX_ROWS)
@@ -75,8 +83,12 @@ REPEATS = 100                 # step 4: the best of this many calls of each prod
 PARTS = ("matmuls", "lm_head", "attention", "other_kernels", "sampler", "python")
 
 
-def linear_path(rows: int) -> str:
-    """Which product kernels.cpu.linear runs for this many float32 rows."""
+def linear_path(rows: int, packed=None) -> str:
+    """Which product kernels.cpu.linear runs for this many float32 rows, given w's second copy."""
+    if isinstance(packed, PanelWeight) and rows <= cpu.SKINNY_MAX_ROWS:
+        return "panels"
+    if packed is not None and not isinstance(packed, PanelWeight) and rows >= cpu.PACKED_MIN_ROWS:
+        return "oneMKL packed"
     return "skinny kernel" if rows <= cpu.SKINNY_MAX_ROWS else "BLAS gemm"
 
 
@@ -179,41 +191,52 @@ for row in decode[1:]:
     mm = (row["breakdown_s"]["matmuls"] + row["breakdown_s"]["lm_head"]) / (b1["breakdown_s"]["matmuls"]
                                                                           + b1["breakdown_s"]["lm_head"])
     print(f"  B={row['batch']}: {row['bound_s'] / b1['bound_s']:.2f}x the bound of B=1, its matrix products "
-          f"{mm:.2f}x the time of B=1's (linear: {linear_path(row['batch'])}, step 4)")
+          f"{mm:.2f}x the time of B=1's (linear: {linear_path(row['batch'], model.packed[0].gate_up)}, step 4)")
 print(f"  the prefill reaches {100 * prefills[0]['fraction_of_peak']:.0f}% of the matmul peak: "
       f"{prefills[0]['gflop_s']:.0f} GFLOP/s")
 
 print("\n4. Skinny matrices: a few rows through one weight")
 w = model.layers[0].gate_up                 # (2 x ffn, hidden), (out, in): the FFN's fused gate and up projections
 assert w.shape == (2 * c.intermediate_size, c.hidden_size)
+panels = cpu.pack_linear(w)                 # kernels/panel_gemm.py: (panels, hidden, 32), made once
+assert panels.data.shape == (-(-w.shape[0] // 32), w.shape[1], 32)
 rng = np.random.default_rng(0)
 xs = {m: rng.standard_normal((m, w.shape[1]), dtype=np.float32) for m in ROWS}   # (M, hidden)
 for m, x in xs.items():
-    np.testing.assert_allclose(cpu.linear(x, w), x @ w.T, rtol=1e-4, atol=1e-4)   # the same product
-best = {(m, how): math.inf for m in ROWS for how in ("BLAS", "linear")}
+    np.testing.assert_allclose(cpu.linear(x, w), x @ w.T, rtol=1e-4, atol=1e-4)          # the same product
+    np.testing.assert_allclose(cpu.linear(x, w, panels), x @ w.T, rtol=1e-4, atol=1e-4)  # and again
+HOWS = ("BLAS", "skinny", "panels")
+best = {(m, how): math.inf for m in ROWS for how in HOWS}
 for _ in range(REPEATS):                    # interleaved: a busy moment slows every case alike
     for m, x in xs.items():
-        for how, fn in (("BLAS", lambda: x @ w.T), ("linear", lambda: cpu.linear(x, w))):
+        for how, fn in zip(HOWS, (lambda: x @ w.T, lambda: cpu.linear(x, w), lambda: cpu.linear(x, w, panels))):
             start = time.perf_counter()
             fn()
             best[m, how] = min(best[m, how], time.perf_counter() - start)
 base = best[1, "BLAS"]
 print(f"  the weight: {w.shape[0]} x {w.shape[1]} {w.dtype} ({fmt_bytes(w.nbytes)}), "
       f"the best of {REPEATS} calls, as a ratio to one row through x @ w.T ({base * 1e3:.3f} ms)")
-print(f"  {'rows':>4} {'x @ w.T':>8} {'linear':>7}  linear's path (SKINNY_MAX_ROWS = {cpu.SKINNY_MAX_ROWS})")
+print(f"  {'rows':>4} {'x @ w.T':>8} {'skinny':>7} {'panels':>7}  linear's path with the panels "
+      f"(SKINNY_MAX_ROWS = {cpu.SKINNY_MAX_ROWS})")
 for m in ROWS:
-    print(f"  {m:4} {best[m, 'BLAS'] / base:7.2f}x {best[m, 'linear'] / base:6.2f}x  {linear_path(m)}")
+    print(f"  {m:4} {best[m, 'BLAS'] / base:7.2f}x {best[m, 'skinny'] / base:6.2f}x {best[m, 'panels'] / base:6.2f}x  "
+          f"{linear_path(m, panels)}")
 print("  one row through x @ w.T is a matrix-vector product (gemv): it streams the weight once, as it "
       "lies. From two rows on it is a matrix-matrix product (gemm): OpenBLAS first packs the weight into "
       "its own tiled layout, which pays off for many rows, not for a few")
-print("  the skinny kernel (_skinny_linear, Numba) reads each weight row once for all the rows: four rows' "
-      "dot products at a time in registers, the threads splitting the output features")
-skinny = [m for m in ROWS if linear_path(m) == "skinny kernel"]
-wins = [m for m in skinny if best[m, "linear"] < best[m, "BLAS"]]
-print(f"  here, in cache, the skinny kernel beats BLAS at {len(wins)} of its {len(skinny)} row counts "
-      f"({best[2, 'linear'] / base:.1f}x against {best[2, 'BLAS'] / base:.1f}x for 2 rows, "
-      f"{best[16, 'linear'] / base:.1f}x against {best[16, 'BLAS'] / base:.1f}x for 16)")
-print(f"  so linear runs the skinny kernel for 1..{cpu.SKINNY_MAX_ROWS} rows, and BLAS's gemm for more (prefill)")
+print("  the skinny kernel (_skinny_linear, linear without a second copy) reads each weight row once for all "
+      "the rows: 4 x 4 dot products at a time, each summed in a register whose 16 lanes must then be added up")
+print("  the panels (linear with model.packed's copy) hold 32 output features' weights for each k side by side: "
+      "for 8 rows the kernel keeps 16 registers of whole output rows, two loads and 16 fused multiply-adds "
+      "per k, and never adds lanes up")
+small = [m for m in ROWS if m <= cpu.SKINNY_MAX_ROWS]
+wins = [m for m in small if best[m, "panels"] < best[m, "skinny"]]
+print(f"  here, in cache, the panels beat the skinny kernel at {len(wins)} of {len(small)} row counts "
+      f"({best[8, 'panels'] / base:.1f}x against {best[8, 'skinny'] / base:.1f}x for 8 rows, "
+      f"{best[32, 'panels'] / base:.1f}x against {best[32, 'skinny'] / base:.1f}x for 32, "
+      f"{best[32, 'BLAS'] / base:.1f}x through BLAS)")
+print(f"  so linear runs the panels for 1..{cpu.SKINNY_MAX_ROWS} rows, and BLAS's gemm for more (prefill), "
+      "which reuses each row of x across the whole weight in its caches")
 fits = w.nbytes < llc
 where = ("fits in the {} MiB last-level cache: after the first call it is read from cache" if fits else
          "does not fit in the {} MiB last-level cache, yet part of it stays there from call to call")
@@ -224,16 +247,15 @@ print(f"  a whole decode step reads {fmt_bytes(b1['weight_bytes'])} of weights, 
       f"{'more' if spills else 'less'} than the {llc >> 20} MiB that cache holds, so in a real step "
       f"{'every row after the first finds only part of the weights still in cache' if spills else 'the other weights and the KV cache compete for it'}: "
       "that is why bench roofline times whole steps (step 3), and why SKINNY_MAX_ROWS was chosen from them")
-print("  kernels/cpu.py records them (one decode step's products, 2-core Xeon): through BLAS 23 ms for 1 row "
-      "(gemv, the weights streamed at the memory's speed) but 55-68 ms for 2..16 rows and 72-77 for 32 (gemm); "
-      "through the skinny kernel 20 ms for 1 row, 23 for 2, 32 for 8, 43 for 16, 66 for 32, 102 for 64 "
-      "(BLAS: 105)")
+print("  docs/benchmarks.md records whole steps' products (2-core AMD EPYC, AVX-512, one sitting): the "
+      "skinny kernel took 43-44 ms for 8 rows, 59-60 for 16, 111-121 for 64; the panels 26-27, 42, 96 "
+      "(the weights streamed near the memory's speed up to 8 rows, then the multiply-adds near their peak)")
 
 print("\n5. Packing once: the CPU maker's own GEMM (oneMKL)")
 gemm = engine.backend.gemm                  # kernels/packed_gemm.py: None without the mkl wheel or with --cpu-gemm numba
 if gemm is None:
-    print("  oneMKL is not installed here (pip install 'minipaged[mkl]', x86-64): linear stays with the "
-          "skinny kernel and BLAS")
+    print("  oneMKL is not used here (not installed, pip install 'minipaged[mkl]', or not an Intel CPU): "
+          "linear multiplies by the panels and BLAS")
 else:
     packed = gemm.pack(w)                   # once: MKL's own tiled layout of the weight
     print(f"  cblas_sgemm_pack copied the {fmt_bytes(w.nbytes)} weight into MKL's layout once "
@@ -244,11 +266,11 @@ else:
         np.testing.assert_allclose(packed.apply(xs[m]), xs[m] @ w.T, rtol=1e-4, atol=1e-4)  # the same product
         timed[m] = [math.inf, math.inf]
         for _ in range(REPEATS // 4):
-            for i, fn in enumerate((lambda: cpu.linear(xs[m], w), lambda: packed.apply(xs[m]))):
+            for i, fn in enumerate((lambda: cpu.linear(xs[m], w, panels), lambda: packed.apply(xs[m]))):
                 start = time.perf_counter()
                 fn()
                 timed[m][i] = min(timed[m][i], time.perf_counter() - start)
-    print(f"  {'rows':>4} {'skinny':>7} {'packed':>7}  (as ratios to one row through x @ w.T)")
+    print(f"  {'rows':>4} {'panels':>7} {'packed':>7}  (as ratios to one row through x @ w.T)")
     for m, (ours, theirs) in timed.items():
         print(f"  {m:4} {ours / base:6.2f}x {theirs / base:6.2f}x")
     print(f"  the engine packed every weight of {c.num_hidden_layers} layers and the LM head at load "

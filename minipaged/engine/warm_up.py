@@ -8,7 +8,7 @@ a profile pass (and captures CUDA graphs) before it serves; ``python -m minipage
 these passes before it prints its URL:
 
 - one prompt of up to 256 tokens (the prefill's matrix products and its BLAS attention), and
-- decode batches of 1, 4, 16 and 64 sequences (the skinny and the packed products, the
+- decode batches of 1, 4, 16 and 64 sequences (the panels' or the packed products, the
   paged-attention kernel's serial and threaded compilations), each then sampled.
 
 Nothing of the engine's state changes. The passes go straight to the executor, with block

@@ -1,0 +1,181 @@
+"""Panel GEMM: each linear weight laid out once for the decode step's product (a page's layout
+chosen for its reader, as a driver lays out a frame buffer for the display engine).
+
+A decode step multiplies a few rows x (M = 1..64 sequences, (M, in)) by every weight w
+(out, in). Read in the checkpoint's layout, the product is M dot products per weight row,
+each summed over ``in`` within one register and then reduced across its lanes; at 8-32 rows
+that reduction and the register pressure kept a whole step's products at 40-80 GFLOP/s, while
+the machine's multiply-adds reach ~200 (docs/benchmarks.md).
+
+``pack`` copies w once, at load, into **panels** of PANEL = 32 output features: panel p is a
+(in, 32) array whose row k holds w[32p : 32p + 32, k], so the kernel reads a weight once,
+front to back, one register-pair per k. For a tile of 8 rows of x it keeps 8 x 2 registers
+of partial sums (16 of AVX-512's 32), and for each k loads two registers of weights,
+broadcasts each row's x[m, k] into a register, and does 16 fused multiply-adds: no lane ever
+needs reducing, the sums come out as whole rows of the result (each over at most K_RUN values
+of k, then added to its row's total, for BLAS's accuracy). Each thread takes a run of panels;
+a panel (72 KB at in = 576) stays in the core's L2 while every tile of rows passes over it.
+
+Rows are padded with zeros to a multiple of 4 (a tile of 8, then one of 4; a single row
+has its own loop): at 2-3 rows the product is bound by reading the weight, and four rows
+read it no slower than one. The NumPy product ``x @ w.T`` is the spec (``tests/test_kernels.py``).
+Prefills (more than ``kernels/cpu.py`` SKINNY_MAX_ROWS rows) stay with BLAS's gemm on the
+checkpoint's layout, which reuses x across panels in its caches; the panels are a second
+copy of every weight, resident beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+from .simd import LANES, vadd, vfma, vload, vsplat, vstore, vzero
+
+PANEL = 2 * LANES        # output features per panel: two registers
+ROW_TILE = 4             # rows of x are padded to a multiple of this (1 row excepted)
+# The sums run over at most this many k before they are added into the output: a float32 sum
+# of 1536 products in one chain loses ~5x the bits of one split into runs of 128 (as BLAS and
+# the dot products' 16 lanes split theirs).
+K_RUN = 128
+
+
+@dataclass(frozen=True)
+class PanelWeight:
+    """A weight (out, in) as panels: ``data`` (panels, in, PANEL), out padded with zero rows."""
+
+    data: np.ndarray     # (panels, in, PANEL) float32
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def apply(self, x: np.ndarray, num_threads: int) -> np.ndarray:
+        """x (T, in) float32 -> x @ w.T, (T, out) float32, over ``num_threads`` threads."""
+        return panel_linear(x, self, num_threads)
+
+
+def pack(w: np.ndarray) -> PanelWeight:
+    """w (out, in) float32 -> its panels (``PanelWeight``), made once."""
+    if w.ndim != 2 or w.dtype != np.float32:
+        raise ValueError(f"pack: w must be a (out, in) float32 matrix, got {w.dtype} {w.shape}")
+    out_features, in_features = w.shape
+    panels = -(-out_features // PANEL)
+    padded = np.zeros((panels * PANEL, in_features), np.float32)         # (panels * PANEL, in)
+    padded[:out_features] = w
+    data = np.ascontiguousarray(padded.reshape(panels, PANEL, in_features).transpose(0, 2, 1))
+    return PanelWeight(data, out_features, in_features)                 # data: (panels, in, PANEL)
+
+
+def panel_linear(x: np.ndarray, w: PanelWeight, num_threads: int) -> np.ndarray:
+    """x (T, in) @ w.T -> (T, out) float32, with ``w`` packed by ``pack``."""
+    if x.ndim != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"panel_linear: x {x.shape} does not fit a ({w.out_features}, {w.in_features}) weight")
+    rows = x.shape[0]
+    padded_rows = rows if rows <= 1 else -(-rows // ROW_TILE) * ROW_TILE
+    if padded_rows == rows:
+        xs = np.ascontiguousarray(x, dtype=np.float32)                 # (T, in)
+    else:
+        xs = np.zeros((padded_rows, w.in_features), np.float32)         # (T', in): zero rows added
+        xs[:rows] = x
+    panels = w.data.shape[0]
+    out = np.empty((padded_rows, panels * PANEL), np.float32)           # (T', panels * PANEL)
+    if rows:
+        _panel_product(xs.reshape(-1), w.data.reshape(-1), w.in_features, panels,
+                       out.reshape(-1), max(1, min(num_threads, panels)))
+    if panels * PANEL != w.out_features:
+        return np.ascontiguousarray(out[:rows, :w.out_features])
+    return out[:rows]                                                  # (T, out): the first rows
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def _four_rows(x, r, k_dim, k, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3):
+    """One k of four rows' sums: x's rows r / k_dim .. + 3 times the panel's two registers at k
+    (lo: its first 16 features, hi: the next 16); a_i, b_i: row i's two registers of sums."""
+    x0 = vsplat(x[r + k]); x1 = vsplat(x[r + k_dim + k])                     # noqa: E702
+    x2 = vsplat(x[r + 2 * k_dim + k]); x3 = vsplat(x[r + 3 * k_dim + k])     # noqa: E702
+    return (vfma(x0, lo, a0), vfma(x0, hi, b0), vfma(x1, lo, a1), vfma(x1, hi, b1),
+            vfma(x2, lo, a2), vfma(x2, hi, b2), vfma(x3, lo, a3), vfma(x3, hi, b3))
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def _store_four_rows(out, o, n_dim, a0, b0, a1, b1, a2, b2, a3, b3):
+    """Four rows' sums into out (flat, rows of n_dim), row 0's at o."""
+    vstore(out, o, a0); vstore(out, o + LANES, b0)                              # noqa: E702
+    vstore(out, o + n_dim, a1); vstore(out, o + n_dim + LANES, b1)              # noqa: E702
+    vstore(out, o + 2 * n_dim, a2); vstore(out, o + 2 * n_dim + LANES, b2)      # noqa: E702
+    vstore(out, o + 3 * n_dim, a3); vstore(out, o + 3 * n_dim + LANES, b3)      # noqa: E702
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def _add_four_rows(a0, b0, a1, b1, a2, b2, a3, b3, c0, d0, c1, d1, c2, d2, c3, d3):
+    """Four rows' totals (a, b) plus a run's sums (c, d)."""
+    return (vadd(a0, c0), vadd(b0, d0), vadd(a1, c1), vadd(b1, d1),
+            vadd(a2, c2), vadd(b2, d2), vadd(a3, c3), vadd(b3, d3))
+
+
+@njit(fastmath=True, parallel=True, cache=True)
+def _panel_product(x, w, k_dim, panels, out, chunks):
+    """x (rows * k_dim,) rows of x; w (panels * k_dim * PANEL,) panels; out (rows * n,).
+
+    rows is 1 or a multiple of 4. Thread c takes panels [c P / chunks, (c + 1) P / chunks).
+    Each sum runs over K_RUN values of k at most, then joins its row's total.
+    """
+    rows = x.shape[0] // k_dim
+    n_dim = panels * PANEL
+    for c in prange(chunks):
+        for p in range(c * panels // chunks, (c + 1) * panels // chunks):
+            panel = p * k_dim * PANEL                 # where panel p starts in w
+            m = 0
+            while m + 8 <= rows:                      # a tile of 8 rows: 16 registers of sums
+                t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()   # the rows' totals
+                t4 = u4 = t5 = u5 = t6 = u6 = t7 = u7 = vzero()
+                r = m * k_dim                         # row m of x
+                for k0 in range(0, k_dim, K_RUN):
+                    a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
+                    a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = vzero()
+                    for k in range(k0, min(k0 + K_RUN, k_dim)):
+                        lo = vload(w, panel + k * PANEL)             # w[32p : 32p + 16, k]
+                        hi = vload(w, panel + k * PANEL + LANES)     # w[32p + 16 : 32p + 32, k]
+                        a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
+                                                                    a0, b0, a1, b1, a2, b2, a3, b3)
+                        a4, b4, a5, b5, a6, b6, a7, b7 = _four_rows(x, r + 4 * k_dim, k_dim, k, lo, hi,
+                                                                    a4, b4, a5, b5, a6, b6, a7, b7)
+                    t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
+                                                                    a0, b0, a1, b1, a2, b2, a3, b3)
+                    t4, u4, t5, u5, t6, u6, t7, u7 = _add_four_rows(t4, u4, t5, u5, t6, u6, t7, u7,
+                                                                    a4, b4, a5, b5, a6, b6, a7, b7)
+                o = m * n_dim + p * PANEL             # out[m, 32p]
+                _store_four_rows(out, o, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
+                _store_four_rows(out, o + 4 * n_dim, n_dim, t4, u4, t5, u5, t6, u6, t7, u7)
+                m += 8
+            if m + 4 <= rows:                         # a tile of 4 rows: 8 registers of sums
+                t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
+                r = m * k_dim
+                for k0 in range(0, k_dim, K_RUN):
+                    a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
+                    for k in range(k0, min(k0 + K_RUN, k_dim)):
+                        lo = vload(w, panel + k * PANEL)
+                        hi = vload(w, panel + k * PANEL + LANES)
+                        a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
+                                                                    a0, b0, a1, b1, a2, b2, a3, b3)
+                    t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
+                                                                    a0, b0, a1, b1, a2, b2, a3, b3)
+                _store_four_rows(out, m * n_dim + p * PANEL, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
+                m += 4
+            while m < rows:                           # one row (a single sequence's step)
+                t0 = u0 = vzero()
+                r = m * k_dim
+                for k0 in range(0, k_dim, K_RUN):
+                    a0 = b0 = vzero()
+                    for k in range(k0, min(k0 + K_RUN, k_dim)):
+                        x0 = vsplat(x[r + k])
+                        a0 = vfma(x0, vload(w, panel + k * PANEL), a0)
+                        b0 = vfma(x0, vload(w, panel + k * PANEL + LANES), b0)
+                    t0, u0 = vadd(t0, a0), vadd(u0, b0)
+                o = m * n_dim + p * PANEL
+                vstore(out, o, t0); vstore(out, o + LANES, u0)   # noqa: E702
+                m += 1

@@ -1,0 +1,111 @@
+"""The SIMD registers (``kernels/simd.py``) and the panel GEMM built on them
+(``kernels/panel_gemm.py``), against their NumPy meaning: each intrinsic against the
+expression its docstring names, every product against ``x @ w.T``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import njit
+
+from minipaged.kernels import cpu, reference
+from minipaged.kernels.panel_gemm import PANEL, PanelWeight, pack, panel_linear
+from minipaged.kernels.simd import LANES, vadd, vfma, vload, vsplat, vstore, vzero
+
+
+@njit(cache=False)
+def _simd_roundtrip(a, b, c, s, out):
+    """out rows: vzero, vsplat(s), vload(a, 3), vfma(a[0:], b[0:], c[0:]), then a store at an
+    offset and vadd(a[0:], c[0:]) (each through vstore)."""
+    vstore(out[0], 0, vzero())
+    vstore(out[1], 0, vsplat(s))
+    vstore(out[2], 0, vload(a, 3))
+    vstore(out[3], 0, vfma(vload(a, 0), vload(b, 0), vload(c, 0)))
+    vstore(out[4], 5, vload(b, 1))       # a store at an offset leaves the rest of the row alone
+    vstore(out[5], 0, vadd(vload(a, 0), vload(c, 0)))
+
+
+def test_each_simd_intrinsic_means_its_numpy_expression():
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.standard_normal(LANES + 8, dtype=np.float32) for _ in range(3))
+    out = np.full((6, LANES + 8), 7.0, np.float32)
+    _simd_roundtrip(a, b, c, np.float32(2.5), out)
+    np.testing.assert_array_equal(out[0, :LANES], np.zeros(LANES, np.float32))
+    np.testing.assert_array_equal(out[1, :LANES], np.full(LANES, 2.5, np.float32))
+    np.testing.assert_array_equal(out[2, :LANES], a[3:3 + LANES])
+    fused = (a[:LANES].astype(np.float64) * b[:LANES] + c[:LANES]).astype(np.float32)   # one rounding
+    np.testing.assert_array_equal(out[3, :LANES], fused)
+    np.testing.assert_array_equal(out[4, 5:5 + LANES], b[1:1 + LANES])
+    np.testing.assert_array_equal(out[5, :LANES], a[:LANES] + c[:LANES])
+    assert (out[4, :5] == 7.0).all() and (out[:4, LANES:] == 7.0).all()   # nothing past a register
+
+
+def test_pack_lays_panels_out_as_documented():
+    w = np.arange(70 * 3, dtype=np.float32).reshape(70, 3)            # (out, in): 70 -> 3 panels
+    packed = pack(w)
+    assert packed.data.shape == (3, 3, PANEL) and (packed.out_features, packed.in_features) == (70, 3)
+    for p in range(3):
+        for k in range(3):
+            want = np.zeros(PANEL, np.float32)
+            rows = w[p * PANEL:(p + 1) * PANEL, k]
+            want[:len(rows)] = rows                                    # padded with zero features
+            np.testing.assert_array_equal(packed.data[p, k], want)
+    assert packed.nbytes == packed.data.nbytes
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (32, 1), (100, 33), (7, 64), (40, 129)])
+def test_panel_products_match_the_spec_for_every_row_count(n, k):
+    rng = np.random.default_rng(n + k)
+    w = (0.05 * rng.standard_normal((n, k))).astype(np.float32)       # (out, in)
+    packed = pack(w)
+    for rows in range(0, 65):
+        x = rng.standard_normal((rows, k), dtype=np.float32)           # (T, in)
+        for threads in (1, 2, 3):
+            got = panel_linear(x, packed, threads)
+            assert got.shape == (rows, n) and got.dtype == np.float32 and got.flags.c_contiguous
+            np.testing.assert_allclose(got, reference.linear(x, w), rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_linear_multiplies_by_the_panels_up_to_the_skinny_limit(monkeypatch):
+    """With panels, linear uses them for 1..SKINNY_MAX_ROWS float32 rows and BLAS beyond; the
+    answer is x @ w.T either way, strided or float64 rows included."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((40, 24), dtype=np.float32)               # (out, in)
+    packed = cpu.pack_linear(w)
+    calls = []
+    monkeypatch.setattr(PanelWeight, "apply", lambda self, x, t: calls.append(len(x)) or panel_linear(x, self, t))
+    for rows in (1, 5, cpu.SKINNY_MAX_ROWS, cpu.SKINNY_MAX_ROWS + 1, 200):
+        x = rng.standard_normal((rows, 24), dtype=np.float32)
+        np.testing.assert_allclose(cpu.linear(x, w, packed), x @ w.T, rtol=1e-4, atol=1e-4)
+    assert calls == [1, 5, cpu.SKINNY_MAX_ROWS]
+    strided = rng.standard_normal((3, 48), dtype=np.float32)[:, ::2]   # a view, not contiguous
+    np.testing.assert_allclose(cpu.linear(strided, w, packed), strided @ w.T, rtol=1e-4, atol=1e-4)
+    x64 = rng.standard_normal((4, 24))                                 # float64 rows: BLAS, same answer
+    np.testing.assert_allclose(cpu.linear(x64, w, packed), x64 @ w.T.astype(np.float64), rtol=1e-6)
+    assert cpu.linear(np.empty((0, 24), np.float32), w, packed).shape == (0, 40)
+
+
+def test_bad_weights_and_mismatched_copies_are_refused():
+    with pytest.raises(ValueError, match="float32 matrix"):
+        pack(np.ones((4, 4), np.float64))
+    with pytest.raises(ValueError, match="float32 matrix"):
+        pack(np.ones(16, np.float32))
+    assert cpu.pack_linear(np.ones((4, 4), np.float16)) is None        # not float32: no panels
+    packed = pack(np.ones((8, 16), np.float32))
+    with pytest.raises(ValueError, match="does not fit"):
+        panel_linear(np.ones((2, 8), np.float32), packed, 2)
+    with pytest.raises(ValueError, match="the packed copy is"):
+        cpu.linear(np.ones((2, 16), np.float32), np.ones((9, 16), np.float32), packed)
+
+
+def test_panel_sums_lose_no_more_than_blas():
+    """The sums run over K_RUN values of k at a time (``kernels/panel_gemm.py``): at SmolLM2's
+    widest input (1536) the panels' rounding error, against float64, is no larger than BLAS's."""
+    rng = np.random.default_rng(5)
+    w = (0.05 * rng.standard_normal((576, 1536))).astype(np.float32)    # (out, in): the down projection
+    x = rng.standard_normal((8, 1536)).astype(np.float32)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w.T).astype(np.float64)   # the sum of |products|
+    panels = np.abs(panel_linear(x, pack(w), 2) - exact) / scale
+    blas = np.abs(x @ w.T - exact) / scale
+    assert panels.mean() <= blas.mean() and panels.max() <= 2 * blas.max()
