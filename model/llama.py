@@ -48,7 +48,6 @@ class PackedLayer:
     down: object = None
 
 
-
 def _get(tensors: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
     if name not in tensors:
         raise ModelFormatError(f"the checkpoint has no tensor {name!r}")
