@@ -18,7 +18,8 @@ a panel (72 KB at in = 576) stays in the core's L2 while every tile of rows pass
 
 Rows are padded with zeros to a multiple of 4 (a tile of 8, then one of 4; a single row
 has its own loop): at 2-3 rows the product is bound by reading the weight, and four rows
-read it no slower than one. The NumPy product ``x @ w.T`` is the spec (``tests/test_kernels.py``).
+read it no slower than one. The NumPy product ``x @ w.T`` (``kernels/reference.py`` ``linear``) is
+the spec (``tests/test_panel_gemm.py``).
 Prefills (more than ``kernels/cpu.py`` SKINNY_MAX_ROWS rows) stay with BLAS's gemm on the
 checkpoint's layout, which reuses x across panels in its caches; the panels are a second
 copy of every weight, resident beside it.
@@ -35,9 +36,9 @@ from .simd import LANES, vadd, vfma, vload, vsplat, vstore, vzero
 
 PANEL = 2 * LANES        # output features per panel: two registers
 ROW_TILE = 4             # rows of x are padded to a multiple of this (1 row excepted)
-# The sums run over at most this many k before they are added into the output: a float32 sum
-# of 1536 products in one chain loses ~5x the bits of one split into runs of 128 (as BLAS and
-# the dot products' 16 lanes split theirs).
+# Each register's sum runs over at most this many k, then joins its row's total: one chain of
+# 1536 float32 products (SmolLM2's down projection) was off by up to ~5x more than runs of 128,
+# which are as close as BLAS's sums (tests/test_panel_gemm.py).
 K_RUN = 128
 
 
