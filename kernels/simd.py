@@ -15,7 +15,7 @@ is an LLVM ``<LANES x float>``, and six intrinsics work on it:
     vfma(a, b, c)        a * b + c, lane by lane, one fused multiply-add
     vadd(a, b)           a + b, lane by lane
 
-Their NumPy meaning is the comment beside each; ``tests/test_kernels.py`` checks each one
+Their NumPy meaning is the comment beside each; ``tests/test_panel_gemm.py`` checks each one
 against it. LANES is 16 whatever the CPU: LLVM splits a <16 x float> into two AVX2 or four
 NEON registers where the hardware's are narrower. No bounds are checked: a caller keeps
 ``i + LANES <= a.size``.
