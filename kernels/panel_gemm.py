@@ -7,18 +7,20 @@ each summed over ``in`` within one register and then reduced across its lanes; a
 that reduction and the register pressure kept a whole step's products at 40-80 GFLOP/s, while
 the machine's multiply-adds reach ~200 (docs/benchmarks.md).
 
-``pack`` copies w once, at load, into **panels** of PANEL = 32 output features: panel p is a
-(in, 32) array whose row k holds w[32p : 32p + 32, k], so the kernel reads a weight once,
-front to back, one register-pair per k. For a tile of 8 rows of x it keeps 8 x 2 registers
-of partial sums (16 of AVX-512's 32), and for each k loads two registers of weights,
-broadcasts each row's x[m, k] into a register, and does 16 fused multiply-adds: no lane ever
-needs reducing, the sums come out as whole rows of the result (each over at most K_RUN values
-of k, then added to its row's total, for BLAS's accuracy). Each thread takes a run of panels;
-a panel (72 KB at in = 576) stays in the core's L2 while every tile of rows passes over it.
+``pack`` copies w once, at load, into **panels** of PANEL = 2 x LANES output features (32
+with AVX-512, 16 with AVX2: ``kernels/simd.py``): panel p is a (in, PANEL) array whose row k
+holds w[PANEL p : PANEL (p + 1), k], so the kernel reads a weight once, front to back, one
+register-pair per k. For a tile of TILE_ROWS rows of x it keeps TILE_ROWS x 2 registers of
+partial sums, half the register file (8 rows with AVX-512's 32 registers, 4 with AVX2's 16),
+and for each k loads two registers of weights, broadcasts each row's x[m, k] into a register,
+and does 2 x TILE_ROWS fused multiply-adds: no lane ever needs reducing, the sums come out as
+whole rows of the result (each over at most K_RUN values of k, then added to its row's total,
+for BLAS's accuracy). Each thread takes a run of panels; a panel (72 KB at in = 576 with
+AVX-512, 36 KB with AVX2) stays in the core's L2 while every tile of rows passes over it.
 
-Rows are padded with zeros to a multiple of 4 (a tile of 8, then one of 4; a single row
-has its own loop): at 2-3 rows the product is bound by reading the weight, and four rows
-read it no slower than one. The NumPy product ``x @ w.T`` (``kernels/reference.py`` ``linear``) is
+Rows are padded with zeros to a multiple of 4 (tiles of 8 with AVX-512, then tiles of 4; a
+single row has its own loop): at 2-3 rows the product is bound by reading the weight, and
+four rows read it no slower than one. The NumPy product ``x @ w.T`` (``kernels/reference.py`` ``linear``) is
 the spec (``tests/test_panel_gemm.py``).
 Prefills (more than ``kernels/cpu.py`` SKINNY_MAX_ROWS rows) stay with BLAS's gemm on the
 checkpoint's layout, which reuses x across panels in its caches; the panels are a second
@@ -32,10 +34,14 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from .simd import LANES, vadd, vfma, vload, vsplat, vstore, vzero
+from .simd import LANES, LANES_OVERRIDDEN, REGISTERS, vadd, vbroadcast, vfma, vload, vstore, vzero
 
 PANEL = 2 * LANES        # output features per panel: two registers
 ROW_TILE = 4             # rows of x are padded to a multiple of this (1 row excepted)
+TILE_ROWS = REGISTERS // 4   # rows of the widest tile: its 2 x TILE_ROWS sums fill half the registers
+# A width other than this machine's (MINIPAGED_SIMD_LANES, for tests) is compiled afresh each
+# time: Numba's on-disk cache is keyed by the CPU, not by the LANES a kernel was built for.
+CACHE = not LANES_OVERRIDDEN
 # Each register's sum runs over at most this many k, then joins its row's total: one chain of
 # 1536 float32 products (SmolLM2's down projection) was off by up to ~5x more than runs of 128,
 # which are as close as BLAS's sums (tests/test_panel_gemm.py).
@@ -92,17 +98,17 @@ def panel_linear(x: np.ndarray, w: PanelWeight, num_threads: int) -> np.ndarray:
     return out[:rows]                                                  # (T, out): the first rows
 
 
-@njit(fastmath=True, inline="always", cache=True)
+@njit(fastmath=True, inline="always", cache=CACHE)
 def _four_rows(x, r, k_dim, k, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3):
     """One k of four rows' sums: x's rows r / k_dim .. + 3 times the panel's two registers at k
-    (lo: its first 16 features, hi: the next 16); a_i, b_i: row i's two registers of sums."""
-    x0 = vsplat(x[r + k]); x1 = vsplat(x[r + k_dim + k])                     # noqa: E702
-    x2 = vsplat(x[r + 2 * k_dim + k]); x3 = vsplat(x[r + 3 * k_dim + k])     # noqa: E702
+    (lo: its first LANES features, hi: the next LANES); a_i, b_i: row i's two registers of sums."""
+    x0 = vbroadcast(x, r + k); x1 = vbroadcast(x, r + k_dim + k)                  # noqa: E702
+    x2 = vbroadcast(x, r + 2 * k_dim + k); x3 = vbroadcast(x, r + 3 * k_dim + k)  # noqa: E702
     return (vfma(x0, lo, a0), vfma(x0, hi, b0), vfma(x1, lo, a1), vfma(x1, hi, b1),
             vfma(x2, lo, a2), vfma(x2, hi, b2), vfma(x3, lo, a3), vfma(x3, hi, b3))
 
 
-@njit(fastmath=True, inline="always", cache=True)
+@njit(fastmath=True, inline="always", cache=CACHE)
 def _store_four_rows(out, o, n_dim, a0, b0, a1, b1, a2, b2, a3, b3):
     """Four rows' sums into out (flat, rows of n_dim), row 0's at o."""
     vstore(out, o, a0); vstore(out, o + LANES, b0)                              # noqa: E702
@@ -111,14 +117,14 @@ def _store_four_rows(out, o, n_dim, a0, b0, a1, b1, a2, b2, a3, b3):
     vstore(out, o + 3 * n_dim, a3); vstore(out, o + 3 * n_dim + LANES, b3)      # noqa: E702
 
 
-@njit(fastmath=True, inline="always", cache=True)
+@njit(fastmath=True, inline="always", cache=CACHE)
 def _add_four_rows(a0, b0, a1, b1, a2, b2, a3, b3, c0, d0, c1, d1, c2, d2, c3, d3):
     """Four rows' totals (a, b) plus a run's sums (c, d)."""
     return (vadd(a0, c0), vadd(b0, d0), vadd(a1, c1), vadd(b1, d1),
             vadd(a2, c2), vadd(b2, d2), vadd(a3, c3), vadd(b3, d3))
 
 
-@njit(fastmath=True, parallel=True, cache=True)
+@njit(fastmath=True, parallel=True, cache=CACHE)
 def _panel_product(x, w, k_dim, panels, out, chunks):
     """x (rows * k_dim,) rows of x; w (panels * k_dim * PANEL,) panels; out (rows * n,).
 
@@ -131,7 +137,7 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
         for p in range(c * panels // chunks, (c + 1) * panels // chunks):
             panel = p * k_dim * PANEL                 # where panel p starts in w
             m = 0
-            while m + 8 <= rows:                      # a tile of 8 rows: 16 registers of sums
+            while TILE_ROWS == 8 and m + 8 <= rows:   # a tile of 8 rows: 16 registers of sums
                 t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()   # the rows' totals
                 t4 = u4 = t5 = u5 = t6 = u6 = t7 = u7 = vzero()
                 r = m * k_dim                         # row m of x
@@ -139,8 +145,8 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
                     a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
                     a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = vzero()
                     for k in range(k0, min(k0 + K_RUN, k_dim)):
-                        lo = vload(w, panel + k * PANEL)             # w[32p : 32p + 16, k]
-                        hi = vload(w, panel + k * PANEL + LANES)     # w[32p + 16 : 32p + 32, k]
+                        lo = vload(w, panel + k * PANEL)             # w[PANEL p : PANEL p + LANES, k]
+                        hi = vload(w, panel + k * PANEL + LANES)     # the next LANES features
                         a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
                                                                     a0, b0, a1, b1, a2, b2, a3, b3)
                         a4, b4, a5, b5, a6, b6, a7, b7 = _four_rows(x, r + 4 * k_dim, k_dim, k, lo, hi,
@@ -149,11 +155,11 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
                                                                     a0, b0, a1, b1, a2, b2, a3, b3)
                     t4, u4, t5, u5, t6, u6, t7, u7 = _add_four_rows(t4, u4, t5, u5, t6, u6, t7, u7,
                                                                     a4, b4, a5, b5, a6, b6, a7, b7)
-                o = m * n_dim + p * PANEL             # out[m, 32p]
+                o = m * n_dim + p * PANEL             # out[m, PANEL p]
                 _store_four_rows(out, o, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
                 _store_four_rows(out, o + 4 * n_dim, n_dim, t4, u4, t5, u5, t6, u6, t7, u7)
                 m += 8
-            if m + 4 <= rows:                         # a tile of 4 rows: 8 registers of sums
+            while m + 4 <= rows:                      # a tile of 4 rows: 8 registers of sums
                 t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
                 r = m * k_dim
                 for k0 in range(0, k_dim, K_RUN):
@@ -173,7 +179,7 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
                 for k0 in range(0, k_dim, K_RUN):
                     a0 = b0 = vzero()
                     for k in range(k0, min(k0 + K_RUN, k_dim)):
-                        x0 = vsplat(x[r + k])
+                        x0 = vbroadcast(x, r + k)
                         a0 = vfma(x0, vload(w, panel + k * PANEL), a0)
                         b0 = vfma(x0, vload(w, panel + k * PANEL + LANES), b0)
                     t0, u0 = vadd(t0, a0), vadd(u0, b0)

@@ -6,28 +6,60 @@ leaves it to LLVM to find such vectors in scalar loops, and LLVM finds them in a
 (a reduction over k) but not in the layout a fast matrix product needs: many independent
 sums, each a whole register, kept in registers across the whole k loop. This module names
 that register directly, as GPU-Puzzles names a thread: ``F32Vec`` is a Numba type whose value
-is an LLVM ``<LANES x float>``, and six intrinsics work on it:
+is an LLVM ``<LANES x float>``, and seven intrinsics work on it:
 
     vzero()              a register of zeros
     vsplat(s)            a register with s in every lane (a broadcast)
+    vbroadcast(a, i)     a register with a[i] in every lane (one load, no index wraparound)
     vload(a, i)          a[i : i + LANES] of a 1-D float32 array, into a register
     vstore(a, i, v)      v into a[i : i + LANES]
     vfma(a, b, c)        a * b + c, lane by lane, one fused multiply-add
     vadd(a, b)           a + b, lane by lane
 
 Their NumPy meaning is the comment beside each; ``tests/test_panel_gemm.py`` checks each one
-against it. LANES is 16 whatever the CPU: LLVM splits a <16 x float> into two AVX2 or four
-NEON registers where the hardware's are narrower. No bounds are checked: a caller keeps
-``i + LANES <= a.size``.
+against it. No bounds are checked: a caller keeps ``i + LANES <= a.size`` (``vbroadcast``:
+``0 <= i < a.size``; unlike ``vsplat(a[i])`` it never tests i for a negative index, a test
+that cost an AVX2 core half its multiply-adds in the panel kernel's inner loop).
+
+LANES and REGISTERS are this machine's, read once from the CPU features Numba compiles for
+(``host_vector_shape``): 16 lanes and 32 registers with AVX-512, else 8 lanes and 16 registers
+(AVX2's ymm; on NEON LLVM splits each value into two of its 32 q registers, the same budget).
+A kernel sizes its tiles from them: on an AVX2 core the AVX-512 shapes (16 lanes, 16 sums)
+asked for 32 ymm registers of 16, spilled its sums to the stack and ran at a third of the
+speed (docs/benchmarks.md). ``MINIPAGED_SIMD_LANES=8|16`` overrides the width, for tests that
+check the other machine's shapes; kernels compiled under an override are not cached on disk.
 """
 
 from __future__ import annotations
 
+import os
+
+from llvmlite import binding as llvm_binding
 from llvmlite import ir
+from numba import config as numba_config
 from numba import types as nb_types
 from numba.extending import intrinsic, models, register_model
 
-LANES = 16                                   # float32s in one register (AVX-512's zmm)
+LANES_ENV = "MINIPAGED_SIMD_LANES"
+
+
+def host_vector_shape(override: str | None = None) -> tuple[int, int]:
+    """(lanes, registers) of the vector unit Numba compiles for: (16, 32) with AVX-512, else
+    (8, 16); ``override`` ("8" or "16", ``MINIPAGED_SIMD_LANES``) picks a width instead."""
+    if override:
+        if override not in ("8", "16"):
+            raise ValueError(f"{LANES_ENV} must be 8 or 16 (float32 lanes of a register), got {override!r}")
+        return (16, 32) if override == "16" else (8, 16)
+    features = numba_config.CPU_FEATURES          # NUMBA_CPU_FEATURES, when the user pins a target
+    if features is not None:
+        avx512 = "+avx512f" in features.split(",")
+    else:
+        avx512 = bool(llvm_binding.get_host_cpu_features().get("avx512f", False))
+    return (16, 32) if avx512 else (8, 16)
+
+
+LANES_OVERRIDDEN = bool(os.environ.get(LANES_ENV))
+LANES, REGISTERS = host_vector_shape(os.environ.get(LANES_ENV))   # float32s in one register; registers
 _VECTOR = ir.VectorType(ir.FloatType(), LANES)
 
 
@@ -59,6 +91,13 @@ def _vector_pointer(context, builder, arr_type, arr, index):
     return builder.bitcast(builder.gep(data, [index]), _VECTOR.as_pointer())
 
 
+def _splat(builder, value):
+    """LLVM: a float32 value into every lane of a register."""
+    one = builder.insert_element(ir.Constant(_VECTOR, ir.Undefined), value, ir.IntType(32)(0))
+    lane_zero = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+    return builder.shuffle_vector(one, ir.Constant(_VECTOR, ir.Undefined), lane_zero)
+
+
 @intrinsic
 def vzero(typingctx):
     """np.zeros(LANES, np.float32)"""
@@ -74,11 +113,21 @@ def vsplat(typingctx, s):
         return None
 
     def codegen(context, builder, sig, args):
-        value = context.cast(builder, args[0], sig.args[0], nb_types.float32)
-        one = builder.insert_element(ir.Constant(_VECTOR, ir.Undefined), value, ir.IntType(32)(0))
-        lane_zero = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
-        return builder.shuffle_vector(one, ir.Constant(_VECTOR, ir.Undefined), lane_zero)
+        return _splat(builder, context.cast(builder, args[0], sig.args[0], nb_types.float32))
     return f32vec(s), codegen
+
+
+@intrinsic
+def vbroadcast(typingctx, arr, index):
+    """np.full(LANES, arr[index], np.float32)"""
+    if not _float32_1d(arr) or not isinstance(index, nb_types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        index = context.cast(builder, args[1], sig.args[1], nb_types.intp)
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return _splat(builder, builder.load(builder.gep(data, [index]), align=4))
+    return f32vec(arr, index), codegen
 
 
 @intrinsic

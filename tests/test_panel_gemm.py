@@ -4,31 +4,38 @@ expression its docstring names, every product against ``x @ w.T``."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 from numba import njit
 
 from minipaged.kernels import cpu, reference
-from minipaged.kernels.panel_gemm import PANEL, PanelWeight, pack, panel_linear
-from minipaged.kernels.simd import LANES, vadd, vfma, vload, vsplat, vstore, vzero
+from minipaged.kernels.panel_gemm import PANEL, TILE_ROWS, PanelWeight, pack, panel_linear
+from minipaged.kernels.simd import (LANES, LANES_ENV, REGISTERS, host_vector_shape, vadd, vbroadcast, vfma,
+                                    vload, vsplat, vstore, vzero)
 
 
 @njit(cache=False)
 def _simd_roundtrip(a, b, c, s, out):
     """out rows: vzero, vsplat(s), vload(a, 3), vfma(a[0:], b[0:], c[0:]), then a store at an
-    offset and vadd(a[0:], c[0:]) (each through vstore)."""
+    offset, vadd(a[0:], c[0:]) and vbroadcast(b, 2) (each through vstore)."""
     vstore(out[0], 0, vzero())
     vstore(out[1], 0, vsplat(s))
     vstore(out[2], 0, vload(a, 3))
     vstore(out[3], 0, vfma(vload(a, 0), vload(b, 0), vload(c, 0)))
     vstore(out[4], 5, vload(b, 1))       # a store at an offset leaves the rest of the row alone
     vstore(out[5], 0, vadd(vload(a, 0), vload(c, 0)))
+    vstore(out[6], 0, vbroadcast(b, 2))
 
 
 def test_each_simd_intrinsic_means_its_numpy_expression():
     rng = np.random.default_rng(0)
     a, b, c = (rng.standard_normal(LANES + 8, dtype=np.float32) for _ in range(3))
-    out = np.full((6, LANES + 8), 7.0, np.float32)
+    out = np.full((7, LANES + 8), 7.0, np.float32)
     _simd_roundtrip(a, b, c, np.float32(2.5), out)
     np.testing.assert_array_equal(out[0, :LANES], np.zeros(LANES, np.float32))
     np.testing.assert_array_equal(out[1, :LANES], np.full(LANES, 2.5, np.float32))
@@ -37,14 +44,16 @@ def test_each_simd_intrinsic_means_its_numpy_expression():
     np.testing.assert_array_equal(out[3, :LANES], fused)
     np.testing.assert_array_equal(out[4, 5:5 + LANES], b[1:1 + LANES])
     np.testing.assert_array_equal(out[5, :LANES], a[:LANES] + c[:LANES])
+    np.testing.assert_array_equal(out[6, :LANES], np.full(LANES, b[2], np.float32))
     assert (out[4, :5] == 7.0).all() and (out[:4, LANES:] == 7.0).all()   # nothing past a register
 
 
 def test_pack_lays_panels_out_as_documented():
-    w = np.arange(70 * 3, dtype=np.float32).reshape(70, 3)            # (out, in): 70 -> 3 panels
+    w = np.arange(70 * 3, dtype=np.float32).reshape(70, 3)            # (out, in): 70 -> 3 or 5 panels
     packed = pack(w)
-    assert packed.data.shape == (3, 3, PANEL) and (packed.out_features, packed.in_features) == (70, 3)
-    for p in range(3):
+    panels = -(-70 // PANEL)
+    assert packed.data.shape == (panels, 3, PANEL) and (packed.out_features, packed.in_features) == (70, 3)
+    for p in range(panels):
         for k in range(3):
             want = np.zeros(PANEL, np.float32)
             rows = w[p * PANEL:(p + 1) * PANEL, k]
@@ -109,3 +118,47 @@ def test_panel_sums_lose_no_more_than_blas():
     panels = np.abs(panel_linear(x, pack(w), 2) - exact) / scale
     blas = np.abs(x @ w.T - exact) / scale
     assert panels.mean() <= blas.mean() and panels.max() <= 2 * blas.max()
+
+
+def test_the_register_shape_follows_the_cpu_and_the_override():
+    """16 lanes and 32 registers with AVX-512, else 8 and 16; the widest tile's sums fill half
+    the registers; an override names a width or is refused."""
+    assert (LANES, REGISTERS) in ((16, 32), (8, 16)) and PANEL == 2 * LANES and TILE_ROWS == REGISTERS // 4
+    if not os.environ.get(LANES_ENV):
+        assert (LANES, REGISTERS) == host_vector_shape(None)
+    assert host_vector_shape("8") == (8, 16) and host_vector_shape("16") == (16, 32)
+    with pytest.raises(ValueError, match="MINIPAGED_SIMD_LANES must be 8 or 16"):
+        host_vector_shape("12")
+
+
+_OTHER_WIDTH_CHECK = textwrap.dedent("""
+    import numpy as np
+    from minipaged.kernels import reference
+    from minipaged.kernels.panel_gemm import PANEL, TILE_ROWS, pack, panel_linear
+    from minipaged.kernels.simd import LANES
+    rng = np.random.default_rng(7)
+    for n, k in ((960, 576), (100, 33), (40, 129)):
+        w = (0.05 * rng.standard_normal((n, k))).astype(np.float32)
+        packed = pack(w)
+        assert packed.data.shape[2] == PANEL
+        for rows in (*range(0, 18), 31, 64):
+            x = rng.standard_normal((rows, k), dtype=np.float32)
+            for threads in (1, 2):
+                np.testing.assert_allclose(panel_linear(x, packed, threads), reference.linear(x, w),
+                                           rtol=1e-4, atol=1e-4 * np.sqrt(k))
+    print(LANES, PANEL, TILE_ROWS)
+""")
+
+
+@pytest.mark.parametrize("lanes", ["8", "16"])
+def test_panel_products_match_the_spec_at_either_register_width(lanes, tmp_path):
+    """The kernel built for the other machine's registers (AVX-512's on an AVX2 core and the
+    reverse: LLVM splits or joins the vectors) gives x @ w.T too; it runs in a fresh process,
+    compiled afresh under MINIPAGED_SIMD_LANES and cached nowhere."""
+    env = dict(os.environ, **{LANES_ENV: lanes, "NUMBA_CACHE_DIR": str(tmp_path)})
+    done = subprocess.run([sys.executable, "-c", _OTHER_WIDTH_CHECK], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = {"8": "8 16 4", "16": "16 32 8"}[lanes]
+    assert done.stdout.split("\n")[-2] == want
+    assert not any(tmp_path.rglob("*.nbi")), "a kernel built under the override was cached"
