@@ -43,7 +43,7 @@ def attention_cases(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64]))
     num_kv_heads = draw(st.integers(1, 3))
     group = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))    # 6 and 8: two chunks of heads scored together
-    head_dim = draw(st.sampled_from([4, 8, 16, 64]))
+    head_dim = draw(st.sampled_from([4, 8, 16, 48, 64]))
     seqs = []
     for _ in range(draw(st.integers(1, 5))):
         seq_len = draw(st.integers(1, 80))
@@ -63,6 +63,21 @@ def test_paged_attention_matches_spec(case):
     got = cpu.paged_attention(q, k_cache, v_cache, meta, scale)
     want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, scale)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_paged_attention_reads_a_strided_pool():
+    """A pool that is a view of a wider array (not C-contiguous, as no engine pool is) reads
+    through its strides: the same answer as the spec."""
+    q, k_cache, v_cache, meta = random_batch(np.random.default_rng(11), block_size=16, num_heads=9,
+                                             num_kv_heads=3, head_dim=64, seqs=[(1, 70), (1, 33)])
+    wide = np.zeros(v_cache.shape[:3] + (96,), np.float32)   # (blocks, kv_heads, block_size, 96)
+    wide[..., :64] = v_cache
+    strided = wide[..., :64]
+    assert not strided.flags.c_contiguous
+    got = cpu.paged_attention(q, k_cache, strided, meta, 0.125)
+    want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, 0.125)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 

@@ -55,10 +55,14 @@ Exercises (also printed at the end):
      --cpu-gemm numba  and again with --cpu-gemm mkl. From which batch size does the packed GEMM
      win? Set PACKED_MIN_ROWS in kernels/cpu.py to 1 and measure B=1 and B=2 again: why can
      packing not help a product that only streams the weight once?
-  4. In kernels/panel_gemm.py, delete the tile of 8 rows (the first ``while`` loop of
-     _panel_product), so that every 8 rows pass over a panel as two tiles of 4 with 8
-     registers of sums each, and rerun  python -m minipaged bench roofline --batch-sizes 4,8,16,32
-     --prefill-lens ""  What do the 16 registers of the 8-row tile buy, and at which batch sizes?
+  4. Step 4 prints this CPU's register shape (LANES, REGISTERS, TILE_ROWS). On an AVX-512 CPU,
+     set TILE_ROWS in kernels/panel_gemm.py to 4, so that every 8 rows pass over a panel as two
+     tiles of 4 with 8 registers of sums each; on an AVX2 CPU, run with MINIPAGED_SIMD_LANES=16
+     instead (AVX-512's shapes: 16 sums of 16 lanes in 16 ymm registers). Rerun
+     python -m minipaged bench roofline --batch-sizes 4,8,16,32 --prefill-lens ""
+     What does the tile that fills half the register file buy, and what does one that asks for
+     more registers than there are cost? (Look for vmovups to the stack in the kernel's
+     inspect_asm().)
 """
 
 import math
@@ -70,7 +74,8 @@ import numpy as np
 import numba
 from minipaged.engine import thread_pools
 from minipaged.kernels import cpu
-from minipaged.kernels.panel_gemm import PanelWeight
+from minipaged.kernels.panel_gemm import PANEL, TILE_ROWS, PanelWeight
+from minipaged.kernels.simd import LANES, REGISTERS
 from minipaged.tools import roofline
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
@@ -198,8 +203,8 @@ print(f"  the prefill reaches {100 * prefills[0]['fraction_of_peak']:.0f}% of th
 print("\n4. Skinny matrices: a few rows through one weight")
 w = model.layers[0].gate_up                 # (2 x ffn, hidden), (out, in): the FFN's fused gate and up projections
 assert w.shape == (2 * c.intermediate_size, c.hidden_size)
-panels = cpu.pack_linear(w)                 # kernels/panel_gemm.py: (panels, hidden, 32), made once
-assert panels.data.shape == (-(-w.shape[0] // 32), w.shape[1], 32)
+panels = cpu.pack_linear(w)                 # kernels/panel_gemm.py: (panels, hidden, PANEL), made once
+assert panels.data.shape == (-(-w.shape[0] // PANEL), w.shape[1], PANEL) and PANEL == 2 * LANES
 rng = np.random.default_rng(0)
 xs = {m: rng.standard_normal((m, w.shape[1]), dtype=np.float32) for m in ROWS}   # (M, hidden)
 for m, x in xs.items():
@@ -226,9 +231,10 @@ print("  one row through x @ w.T is a matrix-vector product (gemv): it streams t
       "its own tiled layout, which pays off for many rows, not for a few")
 print("  the skinny kernel (_skinny_linear, linear without a second copy) reads each weight row once for all "
       "the rows: 4 x 4 dot products at a time, each summed in a register whose 16 lanes must then be added up")
-print("  the panels (linear with model.packed's copy) hold 32 output features' weights for each k side by side: "
-      "for 8 rows the kernel keeps 16 registers of whole output rows, two loads and 16 fused multiply-adds "
-      "per k, and never adds lanes up")
+print(f"  this CPU's registers hold {LANES} float32s and there are {REGISTERS} of them (kernels/simd.py), so the "
+      f"panels (linear with model.packed's copy) hold {PANEL} output features' weights for each k side by side: "
+      f"for a tile of {TILE_ROWS} rows the kernel keeps {2 * TILE_ROWS} registers of whole output rows (half the "
+      f"register file), two loads and {2 * TILE_ROWS} fused multiply-adds per k, and never adds lanes up")
 small = [m for m in ROWS if m <= cpu.SKINNY_MAX_ROWS]
 wins = [m for m in small if best[m, "panels"] < best[m, "skinny"]]
 print(f"  here, in cache, the panels beat the skinny kernel at {len(wins)} of {len(small)} row counts "
@@ -249,7 +255,8 @@ print(f"  a whole decode step reads {fmt_bytes(b1['weight_bytes'])} of weights, 
       "that is why bench roofline times whole steps (step 3), and why SKINNY_MAX_ROWS was chosen from them")
 print("  docs/benchmarks.md records whole steps' products (2-core AMD EPYC, AVX-512, one sitting): the "
       "skinny kernel took 43-44 ms for 8 rows, 59-60 for 16, 111-121 for 64; the panels 26-27, 42, 96 "
-      "(the weights streamed near the memory's speed up to 8 rows, then the multiply-adds near their peak)")
+      "(the weights streamed near the memory's speed up to 8 rows, then the multiply-adds near their peak); "
+      "on an AVX2 EPYC (Zen 3) the AVX-512 shapes spilled their sums (241 ms at 64 rows), the AVX2 ones 113")
 
 print("\n5. Packing once: the CPU maker's own GEMM (oneMKL)")
 gemm = engine.backend.gemm                  # kernels/packed_gemm.py: None without the mkl wheel or with --cpu-gemm numba
