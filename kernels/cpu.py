@@ -171,8 +171,12 @@ def _write_kv(k_cache, v_cache, k, v, slot_mapping, fmt, k_scale, v_scale):
         block = slot // block_size
         offset = slot % block_size
         if fmt == KV_FLOAT:                          # a plain copy of the token's K/V rows
-            k_cache[block, :, offset, :] = k[t]
-            v_cache[block, :, offset, :] = v[t]
+            # element by element: a slice assignment (k_cache[block, :, offset, :] = k[t]) builds
+            # array views for every token (64 tokens: 15 us a call against 11, in cache)
+            for h in range(k.shape[1]):
+                for d in range(k.shape[2]):
+                    k_cache[block, h, offset, d] = k[t, h, d]
+                    v_cache[block, h, offset, d] = v[t, h, d]
             continue
         for h in range(k.shape[1]):
             _quantize_vector(k[t, h], k_cache[block, h, offset], fmt, k_scale, block, h, offset)

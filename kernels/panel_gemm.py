@@ -11,15 +11,14 @@ the machine's multiply-adds reach ~200 (docs/benchmarks.md).
 with AVX-512, 16 with AVX2: ``kernels/simd.py``): panel p is a (in, PANEL) array whose row k
 holds w[PANEL p : PANEL (p + 1), k], so the kernel reads a weight once, front to back, one
 register-pair per k. For a tile of TILE_ROWS rows of x it keeps TILE_ROWS x 2 registers of
-partial sums, half the register file (8 rows with AVX-512's 32 registers, 4 with AVX2's 16),
-and for each k loads two registers of weights, broadcasts each row's x[m, k] into a register,
+partial sums (8 rows in 16 of AVX-512's 32 registers, 6 rows in 12 of AVX2's 16), and for each k loads two registers of weights, broadcasts each row's x[m, k] into a register,
 and does 2 x TILE_ROWS fused multiply-adds: no lane ever needs reducing, the sums come out as
 whole rows of the result (each over at most K_RUN values of k, then added to its row's total,
 for BLAS's accuracy). Each thread takes a run of panels; a panel (72 KB at in = 576 with
 AVX-512, 36 KB with AVX2) stays in the core's L2 while every tile of rows passes over it.
 
-Rows are padded with zeros to a multiple of 4 (tiles of 8 with AVX-512, then tiles of 4; a
-single row has its own loop): at 2-3 rows the product is bound by reading the weight, and
+Rows are padded with zeros to a multiple of 4 (tiles of 8 with AVX-512, or pairs of tiles of 6
+with AVX2, then tiles of 4; a single row has its own loop): at 2-3 rows the product is bound by reading the weight, and
 four rows read it no slower than one. The NumPy product ``x @ w.T`` (``kernels/reference.py`` ``linear``) is
 the spec (``tests/test_panel_gemm.py``).
 Prefills (more than ``kernels/cpu.py`` SKINNY_MAX_ROWS rows) stay with BLAS's gemm on the
@@ -38,7 +37,11 @@ from .simd import LANES, LANES_OVERRIDDEN, REGISTERS, vadd, vbroadcast, vfma, vl
 
 PANEL = 2 * LANES        # output features per panel: two registers
 ROW_TILE = 4             # rows of x are padded to a multiple of this (1 row excepted)
-TILE_ROWS = REGISTERS // 4   # rows of the widest tile: its 2 x TILE_ROWS sums fill half the registers
+# Rows of the widest tile, whose 2 x TILE_ROWS registers of sums stay in registers beside the two
+# of weights and a broadcast: 8 with AVX-512 (16 of 32 registers: the products at the peak), 6 with
+# AVX2 (12 of 16, the shape of AVX2's classic 6 x 16 sgemm kernel: 84 against 77 GFLOP/s a Zen 3
+# core for tiles of 4, whole steps of 64 rows 1.07x; 8 rows need 16 sums and spill there).
+TILE_ROWS = 8 if REGISTERS == 32 else 6
 # A width other than this machine's (MINIPAGED_SIMD_LANES, for tests) is compiled afresh each
 # time: Numba's on-disk cache is keyed by the CPU, not by the LANES a kernel was built for.
 CACHE = not LANES_OVERRIDDEN
@@ -109,6 +112,13 @@ def _four_rows(x, r, k_dim, k, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3):
 
 
 @njit(fastmath=True, inline="always", cache=CACHE)
+def _two_rows(x, r, k_dim, k, lo, hi, a0, b0, a1, b1):
+    """One k of two rows' sums (``_four_rows`` for rows r / k_dim and the next)."""
+    x0 = vbroadcast(x, r + k); x1 = vbroadcast(x, r + k_dim + k)                  # noqa: E702
+    return vfma(x0, lo, a0), vfma(x0, hi, b0), vfma(x1, lo, a1), vfma(x1, hi, b1)
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
 def _store_four_rows(out, o, n_dim, a0, b0, a1, b1, a2, b2, a3, b3):
     """Four rows' sums into out (flat, rows of n_dim), row 0's at o."""
     vstore(out, o, a0); vstore(out, o + LANES, b0)                              # noqa: E702
@@ -129,10 +139,12 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
     """x (rows * k_dim,) rows of x; w (panels * k_dim * PANEL,) panels; out (rows * n,).
 
     rows is 1 or a multiple of 4. Thread c takes panels [c P / chunks, (c + 1) P / chunks).
-    Each sum runs over K_RUN values of k at most, then joins its row's total.
+    Each sum runs over K_RUN values of k at most, then joins its row's total. With tiles of 6
+    rows (AVX2) they come in pairs, so that the rows after them stay a multiple of 4.
     """
     rows = x.shape[0] // k_dim
     n_dim = panels * PANEL
+    six_rows_end = 12 * (rows // 12) if TILE_ROWS == 6 else 0   # rows [0, end) in tiles of 6
     for c in prange(chunks):
         for p in range(c * panels // chunks, (c + 1) * panels // chunks):
             panel = p * k_dim * PANEL                 # where panel p starts in w
@@ -159,6 +171,25 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
                 _store_four_rows(out, o, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
                 _store_four_rows(out, o + 4 * n_dim, n_dim, t4, u4, t5, u5, t6, u6, t7, u7)
                 m += 8
+            while m < six_rows_end:                   # a tile of 6 rows: 12 registers of sums
+                t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = t4 = u4 = t5 = u5 = vzero()
+                r = m * k_dim
+                for k0 in range(0, k_dim, K_RUN):
+                    a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = a4 = b4 = a5 = b5 = vzero()
+                    for k in range(k0, min(k0 + K_RUN, k_dim)):
+                        lo = vload(w, panel + k * PANEL)
+                        hi = vload(w, panel + k * PANEL + LANES)
+                        a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
+                                                                    a0, b0, a1, b1, a2, b2, a3, b3)
+                        a4, b4, a5, b5 = _two_rows(x, r + 4 * k_dim, k_dim, k, lo, hi, a4, b4, a5, b5)
+                    t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
+                                                                    a0, b0, a1, b1, a2, b2, a3, b3)
+                    t4, u4, t5, u5 = vadd(t4, a4), vadd(u4, b4), vadd(t5, a5), vadd(u5, b5)
+                o = m * n_dim + p * PANEL
+                _store_four_rows(out, o, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
+                vstore(out, o + 4 * n_dim, t4); vstore(out, o + 4 * n_dim + LANES, u4)   # noqa: E702
+                vstore(out, o + 5 * n_dim, t5); vstore(out, o + 5 * n_dim + LANES, u5)   # noqa: E702
+                m += 6
             while m + 4 <= rows:                      # a tile of 4 rows: 8 registers of sums
                 t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
                 r = m * k_dim

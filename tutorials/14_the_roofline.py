@@ -55,14 +55,13 @@ Exercises (also printed at the end):
      --cpu-gemm numba  and again with --cpu-gemm mkl. From which batch size does the packed GEMM
      win? Set PACKED_MIN_ROWS in kernels/cpu.py to 1 and measure B=1 and B=2 again: why can
      packing not help a product that only streams the weight once?
-  4. Step 4 prints this CPU's register shape (LANES, REGISTERS, TILE_ROWS). On an AVX-512 CPU,
-     set TILE_ROWS in kernels/panel_gemm.py to 4, so that every 8 rows pass over a panel as two
-     tiles of 4 with 8 registers of sums each; on an AVX2 CPU, run with MINIPAGED_SIMD_LANES=16
-     instead (AVX-512's shapes: 16 sums of 16 lanes in 16 ymm registers). Rerun
-     python -m minipaged bench roofline --batch-sizes 4,8,16,32 --prefill-lens ""
-     What does the tile that fills half the register file buy, and what does one that asks for
-     more registers than there are cost? (Look for vmovups to the stack in the kernel's
-     inspect_asm().)
+  4. Step 4 prints this CPU's register shape (LANES, REGISTERS, TILE_ROWS). Set TILE_ROWS in
+     kernels/panel_gemm.py to 4, so that rows pass over a panel in tiles of 4 with 8 registers
+     of sums each, and rerun  python -m minipaged bench roofline --batch-sizes 4,8,16,32,64
+     --prefill-lens ""  What do the wider tiles (8 rows with AVX-512, 6 with AVX2) buy, and at
+     which batch sizes? On an AVX2 CPU, run it also with MINIPAGED_SIMD_LANES=16 (AVX-512's
+     shapes: 16 sums of 16 lanes asked of 16 ymm registers): what does a tile that asks for more
+     registers than there are cost? (Look for vmovups to the stack in the kernel's inspect_asm().)
 """
 
 import math
@@ -233,8 +232,7 @@ print("  the skinny kernel (_skinny_linear, linear without a second copy) reads 
       "the rows: 4 x 4 dot products at a time, each summed in a register whose 16 lanes must then be added up")
 print(f"  this CPU's registers hold {LANES} float32s and there are {REGISTERS} of them (kernels/simd.py), so the "
       f"panels (linear with model.packed's copy) hold {PANEL} output features' weights for each k side by side: "
-      f"for a tile of {TILE_ROWS} rows the kernel keeps {2 * TILE_ROWS} registers of whole output rows (half the "
-      f"register file), two loads and {2 * TILE_ROWS} fused multiply-adds per k, and never adds lanes up")
+      f"for a tile of {TILE_ROWS} rows the kernel keeps {2 * TILE_ROWS} registers of whole output rows, two loads and {2 * TILE_ROWS} fused multiply-adds per k, and never adds lanes up")
 small = [m for m in ROWS if m <= cpu.SKINNY_MAX_ROWS]
 wins = [m for m in small if best[m, "panels"] < best[m, "skinny"]]
 print(f"  here, in cache, the panels beat the skinny kernel at {len(wins)} of {len(small)} row counts "
@@ -256,7 +254,7 @@ print(f"  a whole decode step reads {fmt_bytes(b1['weight_bytes'])} of weights, 
 print("  docs/benchmarks.md records whole steps' products (2-core AMD EPYC, AVX-512, one sitting): the "
       "skinny kernel took 43-44 ms for 8 rows, 59-60 for 16, 111-121 for 64; the panels 26-27, 42, 96 "
       "(the weights streamed near the memory's speed up to 8 rows, then the multiply-adds near their peak); "
-      "on an AVX2 EPYC (Zen 3) the AVX-512 shapes spilled their sums (241 ms at 64 rows), the AVX2 ones 113")
+      "on an AVX2 EPYC (Zen 3) the AVX-512 shapes spilled their sums (241 ms at 64 rows), the AVX2 ones 105")
 
 print("\n5. Packing once: the CPU maker's own GEMM (oneMKL)")
 gemm = engine.backend.gemm                  # kernels/packed_gemm.py: None without the mkl wheel or with --cpu-gemm numba
