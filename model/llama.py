@@ -28,6 +28,14 @@ from .rope import rope_tables
 from .sharding import ShardSpec
 
 
+# Tokens of a long prefill's MLP multiplied at a time. Its activations grow with the batch
+# (gate and up for 8,192 tokens: 100 MB), and glibc serves every block over 32 MB with a fresh
+# mmap, returned at free: each layer then faulted its activations in afresh, 4 KiB page by zeroed
+# page. Chunks of 2,048 tokens (gate and up: 25 MB) are served from the heap and reused, layer
+# after layer, and still make products long enough for BLAS's peak (docs/benchmarks.md).
+MLP_CHUNK_TOKENS = 2048
+
+
 @dataclass
 class LayerWeights:
     input_norm: np.ndarray  # (hidden,)
@@ -187,13 +195,20 @@ class LlamaModel:
             out = ops.linear(attn.reshape(num_tokens, q_size), layer.o, packed.o)   # (T, hidden)
             if split:                        # all-reduce: every rank's heads' share of the output
                 out = yield out
-            hidden = hidden + out
-            x = ops.rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-            gated = ops.silu_and_mul(ops.linear(x, layer.gate_up, packed.gate_up))   # (T, ffn)
-            out = ops.linear(gated, layer.down, packed.down)                    # (T, hidden)
-            if split:                        # all-reduce: every rank's MLP columns' share
-                out = yield out
-            hidden = hidden + out                                               # (T, hidden)
+            hidden = hidden + out            # a new array: the MLP below may add into it in place
+            if split or num_tokens <= MLP_CHUNK_TOKENS:
+                x = ops.rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
+                gated = ops.silu_and_mul(ops.linear(x, layer.gate_up, packed.gate_up))   # (T, ffn)
+                out = ops.linear(gated, layer.down, packed.down)                # (T, hidden)
+                if split:                    # all-reduce: every rank's MLP columns' share
+                    out = yield out
+                hidden = hidden + out                                           # (T, hidden)
+            else:                            # a long prefill: the MLP a chunk of tokens at a time
+                for a in range(0, num_tokens, MLP_CHUNK_TOKENS):
+                    part = hidden[a:a + MLP_CHUNK_TOKENS]                       # (C, hidden), a view
+                    x = ops.rms_norm(part, layer.post_norm, c.rms_norm_eps)
+                    gated = ops.silu_and_mul(ops.linear(x, layer.gate_up, packed.gate_up))   # (C, ffn)
+                    part += ops.linear(gated, layer.down, packed.down)          # into hidden's rows
         if not self.shard.is_last_stage:     # the next stage goes on from here
             return hidden
         if not self.shard.has_lm_head:       # the same hidden states as rank 0: nothing to add

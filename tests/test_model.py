@@ -10,6 +10,7 @@ from minipaged.kernels import cpu
 from minipaged.kernels.layout import AttentionMetadata, kv_cache_shape
 from minipaged.model.config import LlamaConfig
 from minipaged.model.fetch import ModelFormatError
+from minipaged.model import llama
 from minipaged.model.llama import LlamaModel
 from minipaged.model.reference import DenseReference
 from minipaged.model.weights import load_checkpoint, read_safetensors
@@ -21,11 +22,16 @@ def load(model_dir):
     return config, LlamaModel(config, tensors, cpu), DenseReference(config, tensors)
 
 
+@pytest.mark.parametrize("mlp_chunk", [None, 7])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("which", ["tiny_model_dir", "untied_model_dir"])
-def test_paged_forward_matches_dense_reference(request, which, block_size):
+def test_paged_forward_matches_dense_reference(request, monkeypatch, which, block_size, mlp_chunk):
     """Three sequences fed in random chunks (prefill, partial prefill, decode) through
-    shuffled physical blocks; every logit row equals the dense model's, within 1e-4."""
+    shuffled physical blocks; every logit row equals the dense model's, within 1e-4. With
+    mlp_chunk, batches over 7 tokens run the MLP 7 tokens at a time (a long prefill's path,
+    ``model/llama.py`` MLP_CHUNK_TOKENS), the last chunk partial."""
+    if mlp_chunk is not None:
+        monkeypatch.setattr(llama, "MLP_CHUNK_TOKENS", mlp_chunk)
     config, model, ref = load(request.getfixturevalue(which))
     rng = np.random.default_rng(block_size)
     seqs = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (37, 5, 20)]

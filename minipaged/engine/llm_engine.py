@@ -302,7 +302,9 @@ class LLMEngine:
                                   self.output_processor.banned_tokens(item.group, seq),
                                   seq.prompt_token_ids, seq.output_token_ids)
                     for item, seq in (model_input.sampled[r] for r in sample_rows)]
-        results = self.sampler(logits[sample_rows], requests)
+        # the sampled rows come first: all of them (no beams) are a view, not a gathered copy
+        sampled_logits = logits[:len(rows)] if len(sample_rows) == len(rows) else logits[sample_rows]
+        results = self.sampler(sampled_logits, requests)
         beam_logprobs = to_host(log_softmax(logits[beam_rows].astype(np.float64), self.backend.xp))  # (beams, vocab)
         offset = len(model_input.sampled)           # the speculating rows follow the sampled ones
         verdicts = []                               # (item, drafts that stood, results to append)

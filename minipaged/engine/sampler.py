@@ -160,9 +160,14 @@ class Sampler:
         self.logsumexp = logsumexp or (lambda x: _logsumexp(x, xp))
 
     def adjust(self, logits, requests: list[SampleRequest]):
-        """(N, V) -> a float32 copy with each row's bans, logit_bias and penalties applied: the
-        logits its request samples from (before temperature and the filters)."""
+        """(N, V) -> float32 logits with each row's bans, logit_bias and penalties applied: the
+        logits its request samples from (before temperature and the filters). A copy where a row
+        asks for any of them; where none does, float32 logits come back as they are (read only
+        from here on: a copy of a 64-row step's logits cost ~2 ms, for nothing)."""
         xp = self.xp
+        if logits.dtype == xp.float32 and not any(r.banned_token_ids or r.params.logit_bias
+                                                  or r.params.has_penalties for r in requests):
+            return logits
         logits = logits.astype(xp.float32)             # (N, V) own copy: bans write into it
         for i, req in enumerate(requests):
             if req.banned_token_ids:
