@@ -85,10 +85,16 @@ def _float32_1d(arr) -> bool:
     return isinstance(arr, nb_types.Array) and arr.ndim == 1 and arr.dtype == nb_types.float32
 
 
-def _vector_pointer(context, builder, arr_type, arr, index):
+def _address(context, builder, sig, args):
+    """LLVM: the address of arr[index] for an intrinsic's (arr, index, ...) arguments."""
+    index = context.cast(builder, args[1], sig.args[1], nb_types.intp)
+    data = context.make_array(sig.args[0])(context, builder, args[0]).data
+    return builder.gep(data, [index])
+
+
+def _vector_pointer(context, builder, sig, args):
     """The address of arr[index], as a pointer to a whole register."""
-    data = context.make_array(arr_type)(context, builder, arr).data
-    return builder.bitcast(builder.gep(data, [index]), _VECTOR.as_pointer())
+    return builder.bitcast(_address(context, builder, sig, args), _VECTOR.as_pointer())
 
 
 def _splat(builder, value):
@@ -124,9 +130,7 @@ def vbroadcast(typingctx, arr, index):
         return None
 
     def codegen(context, builder, sig, args):
-        index = context.cast(builder, args[1], sig.args[1], nb_types.intp)
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        return _splat(builder, builder.load(builder.gep(data, [index]), align=4))
+        return _splat(builder, builder.load(_address(context, builder, sig, args), align=4))
     return f32vec(arr, index), codegen
 
 
@@ -137,8 +141,7 @@ def vload(typingctx, arr, index):
         return None
 
     def codegen(context, builder, sig, args):
-        index = context.cast(builder, args[1], sig.args[1], nb_types.intp)
-        return builder.load(_vector_pointer(context, builder, sig.args[0], args[0], index), align=4)
+        return builder.load(_vector_pointer(context, builder, sig, args), align=4)
     return f32vec(arr, index), codegen
 
 
@@ -149,8 +152,7 @@ def vstore(typingctx, arr, index, v):
         return None
 
     def codegen(context, builder, sig, args):
-        index = context.cast(builder, args[1], sig.args[1], nb_types.intp)
-        builder.store(args[2], _vector_pointer(context, builder, sig.args[0], args[0], index), align=4)
+        builder.store(args[2], _vector_pointer(context, builder, sig, args), align=4)
         return context.get_dummy_value()
     return nb_types.void(arr, index, v), codegen
 
