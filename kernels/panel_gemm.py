@@ -11,16 +11,17 @@ the machine's multiply-adds reach ~200 (docs/benchmarks.md).
 with AVX-512, 16 with AVX2: ``kernels/simd.py``): panel p is a (in, PANEL) array whose row k
 holds w[PANEL p : PANEL (p + 1), k], so the kernel reads a weight once, front to back, one
 register-pair per k. For a tile of TILE_ROWS rows of x it keeps TILE_ROWS x 2 registers of
-partial sums (8 rows in 16 of AVX-512's 32 registers, 6 rows in 12 of AVX2's 16), and for each k loads two registers of weights, broadcasts each row's x[m, k] into a register,
-and does 2 x TILE_ROWS fused multiply-adds: no lane ever needs reducing, the sums come out as
+partial sums (8 rows in 16 of AVX-512's 32 registers, 6 rows in 12 of AVX2's 16), and for
+each k loads two registers of weights, broadcasts each row's x[m, k] into a register, and
+does 2 x TILE_ROWS fused multiply-adds: no lane ever needs reducing, the sums come out as
 whole rows of the result (each over at most K_RUN values of k, then added to its row's total,
 for BLAS's accuracy). Each thread takes a run of panels; a panel (72 KB at in = 576 with
 AVX-512, 36 KB with AVX2) stays in the core's L2 while every tile of rows passes over it.
 
-Rows are padded with zeros to a multiple of 4 (tiles of 8 with AVX-512, or pairs of tiles of 6
-with AVX2, then tiles of 4; a single row has its own loop): at 2-3 rows the product is bound by reading the weight, and
-four rows read it no slower than one. The NumPy product ``x @ w.T`` (``kernels/reference.py`` ``linear``) is
-the spec (``tests/test_panel_gemm.py``).
+Rows are padded with zeros to a multiple of 4 (tiles of 8 with AVX-512, or pairs of tiles of
+6 with AVX2, then tiles of 4; a single row has its own loop): at 2-3 rows the product is
+bound by reading the weight, and four rows read it no slower than one. The NumPy product
+``x @ w.T`` (``kernels/reference.py`` ``linear``) is the spec (``tests/test_panel_gemm.py``).
 Prefills (more than ``kernels/cpu.py`` SKINNY_MAX_ROWS rows) stay with BLAS's gemm on the
 checkpoint's layout, which reuses x across panels in its caches; the panels are a second
 copy of every weight, resident beside it.
