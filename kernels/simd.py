@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import os
 
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import config as numba_config
+from numba.core.codegen import get_host_cpu_features
 from numba import types as nb_types
 from numba.extending import intrinsic, models, register_model
 
@@ -51,11 +51,9 @@ def host_vector_shape(override: str | None = None) -> tuple[int, int]:
             raise ValueError(f"{LANES_ENV} must be 8 or 16 (float32 lanes of a register), got {override!r}")
         return (16, 32) if override == "16" else (8, 16)
     features = numba_config.CPU_FEATURES          # NUMBA_CPU_FEATURES, when the user pins a target
-    if features is not None:
-        avx512 = "+avx512f" in features.split(",")
-    else:
-        avx512 = bool(llvm_binding.get_host_cpu_features().get("avx512f", False))
-    return (16, 32) if avx512 else (8, 16)
+    if features is None:                           # Numba's own reading: "" where the host's can't be
+        features = get_host_cpu_features()        # read, no avx* under NUMBA_ENABLE_AVX=0
+    return (16, 32) if "+avx512f" in features.split(",") else (8, 16)
 
 
 LANES_OVERRIDDEN = bool(os.environ.get(LANES_ENV))

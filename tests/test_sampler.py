@@ -66,6 +66,25 @@ def test_greedy_seed_bans_and_logprobs():
     assert a == b
 
 
+def test_the_callers_logits_are_never_written():
+    """Rows that ban, bias or penalise are adjusted in a copy; with none of them the sampler
+    reads the caller's float32 logits as they are (no copy), and writes nothing either way."""
+    sampler = Sampler()
+    logits = np.tile(LOGITS.astype(np.float32), (3, 1))                       # (3, V)
+    before = logits.copy()
+    plain = [SampleRequest(SamplingParams(temperature=0), np.random.default_rng(0), [])] * 3
+    assert sampler.adjust(logits, plain) is logits
+    asking = [SampleRequest(SamplingParams(temperature=0), np.random.default_rng(0), [1]),
+              SampleRequest(SamplingParams(temperature=0, logit_bias={3: 5.0}), np.random.default_rng(0), []),
+              SampleRequest(SamplingParams(temperature=0, repetition_penalty=2.0), np.random.default_rng(0), [],
+                            prompt_token_ids=[1], output_token_ids=[1])]
+    adjusted = sampler.adjust(logits, asking)
+    assert adjusted is not logits and adjusted[0, 1] == -np.inf and adjusted[1, 3] == logits[1, 3] + 5.0
+    tokens = [r.token_id for r in sampler(logits, asking)]
+    assert tokens == [2, 3, 2]        # banned; biased; penalised (log 0.4 x 2 falls below log 0.3)
+    np.testing.assert_array_equal(logits, before)
+
+
 def test_log_softmax_is_stable():
     row = np.array([[1000.0, 999.0, -1000.0]], dtype=np.float32)
     out = log_softmax(row)

@@ -232,7 +232,8 @@ print("  the skinny kernel (_skinny_linear, linear without a second copy) reads 
       "the rows: 4 x 4 dot products at a time, each summed in a register whose 16 lanes must then be added up")
 print(f"  this CPU's registers hold {LANES} float32s and there are {REGISTERS} of them (kernels/simd.py), so the "
       f"panels (linear with model.packed's copy) hold {PANEL} output features' weights for each k side by side: "
-      f"for a tile of {TILE_ROWS} rows the kernel keeps {2 * TILE_ROWS} registers of whole output rows, two loads and {2 * TILE_ROWS} fused multiply-adds per k, and never adds lanes up")
+      f"for a tile of {TILE_ROWS} rows the kernel keeps {2 * TILE_ROWS} registers of whole output rows, "
+      f"two loads and {2 * TILE_ROWS} fused multiply-adds per k, and never adds lanes up")
 small = [m for m in ROWS if m <= cpu.SKINNY_MAX_ROWS]
 wins = [m for m in small if best[m, "panels"] < best[m, "skinny"]]
 print(f"  here, in cache, the panels beat the skinny kernel at {len(wins)} of {len(small)} row counts "
