@@ -106,15 +106,14 @@ def panel_linear(x: np.ndarray, w: PanelWeight, num_threads: int) -> np.ndarray:
 def _four_rows(x, r, k_dim, k, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3):
     """One k of four rows' sums: x's rows r / k_dim .. + 3 times the panel's two registers at k
     (lo: its first LANES features, hi: the next LANES); a_i, b_i: row i's two registers of sums."""
-    x0 = vbroadcast(x, r + k); x1 = vbroadcast(x, r + k_dim + k)                  # noqa: E702
-    x2 = vbroadcast(x, r + 2 * k_dim + k); x3 = vbroadcast(x, r + 3 * k_dim + k)  # noqa: E702
-    return (vfma(x0, lo, a0), vfma(x0, hi, b0), vfma(x1, lo, a1), vfma(x1, hi, b1),
-            vfma(x2, lo, a2), vfma(x2, hi, b2), vfma(x3, lo, a3), vfma(x3, hi, b3))
+    a0, b0, a1, b1 = _two_rows(x, r, k_dim, k, lo, hi, a0, b0, a1, b1)
+    a2, b2, a3, b3 = _two_rows(x, r + 2 * k_dim, k_dim, k, lo, hi, a2, b2, a3, b3)
+    return a0, b0, a1, b1, a2, b2, a3, b3
 
 
 @njit(fastmath=True, inline="always", cache=CACHE)
 def _two_rows(x, r, k_dim, k, lo, hi, a0, b0, a1, b1):
-    """One k of two rows' sums (``_four_rows`` for rows r / k_dim and the next)."""
+    """One k of two rows' sums: x's rows r / k_dim and the next times the panel's two registers."""
     x0 = vbroadcast(x, r + k); x1 = vbroadcast(x, r + k_dim + k)                  # noqa: E702
     return vfma(x0, lo, a0), vfma(x0, hi, b0), vfma(x1, lo, a1), vfma(x1, hi, b1)
 

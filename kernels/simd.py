@@ -56,8 +56,9 @@ def host_vector_shape(override: str | None = None) -> tuple[int, int]:
     return (16, 32) if "+avx512f" in features.split(",") else (8, 16)
 
 
-LANES_OVERRIDDEN = bool(os.environ.get(LANES_ENV))
-LANES, REGISTERS = host_vector_shape(os.environ.get(LANES_ENV))   # float32s in one register; registers
+_OVERRIDE = os.environ.get(LANES_ENV)
+LANES_OVERRIDDEN = bool(_OVERRIDE)
+LANES, REGISTERS = host_vector_shape(_OVERRIDE)   # float32s in one register; how many registers
 _VECTOR = ir.VectorType(ir.FloatType(), LANES)
 
 

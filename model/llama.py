@@ -195,20 +195,17 @@ class LlamaModel:
             out = ops.linear(attn.reshape(num_tokens, q_size), layer.o, packed.o)   # (T, hidden)
             if split:                        # all-reduce: every rank's heads' share of the output
                 out = yield out
-            hidden = hidden + out            # a new array: the MLP below may add into it in place
-            if split or num_tokens <= MLP_CHUNK_TOKENS:
-                x = ops.rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-                gated = ops.silu_and_mul(ops.linear(x, layer.gate_up, packed.gate_up))   # (T, ffn)
-                out = ops.linear(gated, layer.down, packed.down)                # (T, hidden)
+            hidden = hidden + out            # a new array: the MLP adds into its rows in place
+            # The MLP a chunk of tokens at a time (a long prefill); a shard's all-reduce takes them all.
+            chunk = max(num_tokens, 1) if split else MLP_CHUNK_TOKENS
+            for a in range(0, max(num_tokens, 1), chunk):
+                part = hidden[a:a + chunk]                                      # (C, hidden), a view
+                x = ops.rms_norm(part, layer.post_norm, c.rms_norm_eps)
+                gated = ops.silu_and_mul(ops.linear(x, layer.gate_up, packed.gate_up))   # (C, ffn)
+                out = ops.linear(gated, layer.down, packed.down)                # (C, hidden)
                 if split:                    # all-reduce: every rank's MLP columns' share
                     out = yield out
-                hidden = hidden + out                                           # (T, hidden)
-            else:                            # a long prefill: the MLP a chunk of tokens at a time
-                for a in range(0, num_tokens, MLP_CHUNK_TOKENS):
-                    part = hidden[a:a + MLP_CHUNK_TOKENS]                       # (C, hidden), a view
-                    x = ops.rms_norm(part, layer.post_norm, c.rms_norm_eps)
-                    gated = ops.silu_and_mul(ops.linear(x, layer.gate_up, packed.gate_up))   # (C, ffn)
-                    part += ops.linear(gated, layer.down, packed.down)          # into hidden's rows
+                part += out                                                     # into hidden's rows
         if not self.shard.is_last_stage:     # the next stage goes on from here
             return hidden
         if not self.shard.has_lm_head:       # the same hidden states as rank 0: nothing to add
