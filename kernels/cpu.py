@@ -16,14 +16,13 @@ from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
-from llvmlite import ir
-from numba import get_num_threads, njit, prange, types as nb_types
-from numba.extending import intrinsic
+from numba import get_num_threads, njit, prange
 
 from .kv_quant import (K_SCALE_CONSTANT, KV_FLOAT, KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8, V_SCALE_CONSTANT,
                        _float_from_bits, dequantize, float_to_fp8, fp8_widen_scale, widen)
 from .layout import AttentionMetadata, BlockBounds, KVQuant
 from .panel_gemm import PanelWeight, pack as pack_panels
+from .simd import LANES, LANES_OVERRIDDEN, prefetch, vbroadcast, vfma, vload, vmul, vsplat, vstore, vsum, vzero
 
 xp = np  # the array module this backend computes with
 
@@ -43,7 +42,7 @@ ATTENTION_PARALLEL_MIN_WORK = 1 << 13
 LIGHT_PARALLEL_MIN_ELEMENTS = 1 << 21
 
 
-def two_ways(fn, min_work: str = "PARALLEL_MIN_ELEMENTS"):
+def two_ways(fn, min_work: str = "PARALLEL_MIN_ELEMENTS", cache: bool = True):
     """Compile ``fn`` twice: serial (prange acts as range) and across threads.
 
     The serial copy gets its own name: Numba's on-disk cache is keyed by the
@@ -53,34 +52,11 @@ def two_ways(fn, min_work: str = "PARALLEL_MIN_ELEMENTS"):
     twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial",
                               fn.__defaults__, fn.__closure__)
     twin.__qualname__ = fn.__qualname__ + "_serial"
-    serial = njit(fastmath=True, cache=True)(twin)
-    parallel = njit(fastmath=True, cache=True, parallel=True)(fn)
+    serial = njit(fastmath=True, cache=cache)(twin)
+    parallel = njit(fastmath=True, cache=cache, parallel=True)(fn)
     return lambda work: parallel if work >= globals()[min_work] else serial   # the threshold named
 
 # --------------------------------------------------------------------------- prefetch
-
-@intrinsic
-def prefetch(typingctx, arr, byte_offset):
-    """Ask the CPU to start loading the cache line ``byte_offset`` bytes into ``arr``'s data.
-
-    A hint (x86 ``prefetcht0``): it never faults and returns nothing. The decode kernel
-    reads each K/V block from a page of its own, wherever the allocator put it; the CPU's
-    own prefetcher follows a stream within a page but cannot guess the next page of a block
-    table, so the kernel names it while it works on the current block.
-    """
-    if not isinstance(arr, nb_types.Array) or not isinstance(byte_offset, nb_types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        byte = ir.IntType(8).as_pointer()
-        address = builder.gep(builder.bitcast(data, byte), [args[1]])
-        i32 = ir.IntType(32)
-        fn = builder.module.declare_intrinsic(   # named for this LLVM's pointers: .p0i8 or .p0
-            "llvm.prefetch", [byte], ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32]))
-        builder.call(fn, [address, i32(0), i32(3), i32(1)])   # read, into every level, data
-        return context.get_dummy_value()
-    return nb_types.void(arr, nb_types.intp), codegen
 
 
 @njit(inline="always", cache=True)
@@ -448,6 +424,245 @@ _paged_attention = {(fmt, heads): two_ways(_specialize(_paged_attention_body, KV
                                            "ATTENTION_PARALLEL_MIN_WORK")
                     for fmt in (KV_FLOAT, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2) for heads in (1, 2, 3, 4)}
 
+
+# --------------------------------------------------------------------------- paged attention in registers
+
+# A float32 cache is read by the kernel below, which names its vector registers (kernels/simd.py)
+# instead of leaving the head_dim loops to LLVM: a key's dot products with the HEADS queries
+# of its group are HEADS registers of sums, added across lanes once per key, and p x v keeps
+# the HEADS rows' accumulators for 4 x LANES of head_dim in registers across the whole block,
+# where the loop above loads and stores them for every key. While it works on a block, it asks
+# for the next block's K and V a few lines per key. At 64 decodes of 264 tokens, all 30 layers:
+# 30-32 ms a step against 37-40 (2-core AMD EPYC, Zen 3, docs/benchmarks.md). Quantized caches,
+# and head_dim that is not a multiple of LANES, use the loop above.
+VECTOR_ATTENTION = True
+# Built for another register width (MINIPAGED_SIMD_LANES), the kernel is not cached on disk: Numba's
+# cache is keyed by the CPU, not by the LANES it was compiled for (as kernels/panel_gemm.py).
+SIMD_CACHE = not LANES_OVERRIDDEN
+
+
+@njit(fastmath=True, inline="always", cache=SIMD_CACHE)
+def _scaled_chunk(acc, at, scale):
+    """The register acc[at : at + LANES] times the register ``scale``."""
+    return vmul(vload(acc, at), scale)
+
+
+def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_stride, block_size,
+                           num_kv_heads, block_tables, seq_lens, query_start_loc, scale, work,
+                           num_threads, key_min, key_max, keep, part_acc, part_max, part_sum, out):
+    """``_paged_attention_body`` for a float32 cache, in registers. k_flat / v_flat: the pools'
+    memory as flat float32 windows, element (block, head, token, d) at block * block_stride +
+    head * head_stride + token * token_stride + d. The work items, and block-sparse decode's
+    choice of blocks (``keep`` > 0), are the same."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // num_kv_heads
+    heads = HEADS_TOGETHER                      # 1 to 3: a constant of each compiled copy
+    quad = 4 * LANES                            # head_dim a register quad covers
+    quads_end = quad * (head_dim // quad)
+    for tid in prange(num_threads):
+        # a thread's scratch, flat (rows x head_dim): scaled queries, running sums of p * v
+        queries = np.empty((QUERY_TILE * num_heads, head_dim), np.float32)   # (rows, head_dim)
+        qs = queries.reshape(-1)                                            # the same, flat
+        acc = np.empty(QUERY_TILE * num_heads * head_dim, np.float32)
+        row_max = np.empty(QUERY_TILE * num_heads, np.float32)
+        row_sum = np.empty(QUERY_TILE * num_heads, np.float32)
+        scores = np.empty(3 * block_size, np.float32)    # a block's scores, then p, for each head
+        for w in range(tid, work.shape[0], num_threads):
+            s, t0 = work[w, 0], work[w, 1]
+            first_block, end_block, slot = work[w, 2] // block_size, work[w, 3] // block_size, work[w, 4]
+            seq_start, seq_end = query_start_loc[s], query_start_loc[s + 1]
+            t1 = min(t0 + QUERY_TILE, seq_end)
+            first_pos = seq_lens[s] - (seq_end - seq_start) + (t0 - seq_start)
+            last_pos = first_pos + (t1 - t0) - 1
+            rows = (t1 - t0) * num_heads                 # row r = query r // num_heads, head r % num_heads
+            for r in range(rows):
+                row_max[r] = -np.inf
+                row_sum[r] = 0.0
+                for d in range(head_dim):
+                    qs[r * head_dim + d] = q[t0 + r // num_heads, r % num_heads, d] * scale
+                    acc[r * head_dim + d] = 0.0
+            num_ctx_blocks = last_pos // block_size + 1
+            # Block-sparse decode (Quest): as in the loop kernel, a decoding head reads only the
+            # `keep` blocks whose keys could score highest, always the first and the last.
+            sparse = keep > 0 and seq_end - seq_start == 1 and num_ctx_blocks > keep
+            chosen = _choose_blocks(queries[:rows], key_min, key_max, block_tables[s], num_ctx_blocks,
+                                    keep, num_heads, group) if sparse else _ALL_BLOCKS
+            last_block = min(end_block, num_ctx_blocks)
+            for j in range(first_block, last_block):
+                block = block_tables[s, j]
+                ahead = 0                                   # no next block, or no telling which
+                if j + 1 < last_block and not sparse:
+                    ahead = (block_tables[s, j + 1] - block) * block_stride
+                for qi in range(t1 - t0):
+                    valid = min(block_size, first_pos + qi - j * block_size + 1)   # causal
+                    if valid <= 0:
+                        continue
+                    for kv_head in range(num_kv_heads):
+                        base = block * block_stride + kv_head * head_stride     # the head's tile
+                        for g0 in range(0, group, heads):
+                            r0 = qi * num_heads + kv_head * group + g0   # rows r0 .. r0 + heads - 1
+                            if sparse:
+                                wanted = False
+                                for g in range(heads):
+                                    wanted = wanted or chosen[r0 + g, j]
+                                if not wanted:
+                                    continue
+                            q0 = r0 * head_dim                           # where row r0's queries start
+                            q1, q2 = q0 + head_dim, q0 + 2 * head_dim
+                            for o in range(valid):               # the block's scores, key by key
+                                key_at = base + o * token_stride
+                                for line in range(0, head_dim, 16):   # the next block, a line at a time
+                                    prefetch(k_flat, 4 * (key_at + ahead + line))
+                                    prefetch(v_flat, 4 * (key_at + ahead + line))
+                                a0 = a1 = a2 = vzero()
+                                for c in range(0, head_dim, LANES):
+                                    key = vload(k_flat, key_at + c)
+                                    a0 = vfma(vload(qs, q0 + c), key, a0)
+                                    if heads > 1:
+                                        a1 = vfma(vload(qs, q1 + c), key, a1)
+                                    if heads > 2:
+                                        a2 = vfma(vload(qs, q2 + c), key, a2)
+                                scores[o] = vsum(a0)
+                                if heads > 1:
+                                    scores[block_size + o] = vsum(a1)
+                                if heads > 2:
+                                    scores[2 * block_size + o] = vsum(a2)
+                            c0 = c1 = c2 = np.float32(1.0)
+                            for g in range(heads):               # each head's online softmax
+                                r, at = r0 + g, g * block_size
+                                if sparse and not chosen[r, j]:  # this head skips the block:
+                                    for o in range(valid):       # p = 0, its sums scaled by 1
+                                        scores[at + o] = 0.0
+                                    continue
+                                new_max = row_max[r]
+                                for o in range(valid):
+                                    new_max = max(new_max, scores[at + o])
+                                correction = fast_exp(row_max[r] - new_max)
+                                total = row_sum[r] * correction
+                                for o in range(valid):
+                                    scores[at + o] = fast_exp(scores[at + o] - new_max)
+                                for o in range(valid):
+                                    total += scores[at + o]
+                                row_sum[r] = total
+                                row_max[r] = new_max
+                                if g == 0:
+                                    c0 = correction
+                                elif g == 1:
+                                    c1 = correction
+                                else:
+                                    c2 = correction
+                            s0, s1, s2 = vsplat(c0), vsplat(c1), vsplat(c2)
+                            # p * v: 4 registers of head_dim for each head, summed over the block
+                            for c in range(0, quads_end, quad):
+                                e0 = _scaled_chunk(acc, q0 + c, s0)
+                                e1 = _scaled_chunk(acc, q0 + c + LANES, s0)
+                                e2 = _scaled_chunk(acc, q0 + c + 2 * LANES, s0)
+                                e3 = _scaled_chunk(acc, q0 + c + 3 * LANES, s0)
+                                f0 = f1 = f2 = f3 = h0 = h1 = h2 = h3 = vzero()
+                                if heads > 1:
+                                    f0 = _scaled_chunk(acc, q1 + c, s1)
+                                    f1 = _scaled_chunk(acc, q1 + c + LANES, s1)
+                                    f2 = _scaled_chunk(acc, q1 + c + 2 * LANES, s1)
+                                    f3 = _scaled_chunk(acc, q1 + c + 3 * LANES, s1)
+                                if heads > 2:
+                                    h0 = _scaled_chunk(acc, q2 + c, s2)
+                                    h1 = _scaled_chunk(acc, q2 + c + LANES, s2)
+                                    h2 = _scaled_chunk(acc, q2 + c + 2 * LANES, s2)
+                                    h3 = _scaled_chunk(acc, q2 + c + 3 * LANES, s2)
+                                for o in range(valid):
+                                    at = base + o * token_stride + c
+                                    v0, v1 = vload(v_flat, at), vload(v_flat, at + LANES)
+                                    v2, v3 = vload(v_flat, at + 2 * LANES), vload(v_flat, at + 3 * LANES)
+                                    p = vbroadcast(scores, o)
+                                    e0, e1, e2, e3 = vfma(p, v0, e0), vfma(p, v1, e1), vfma(p, v2, e2), vfma(p, v3, e3)
+                                    if heads > 1:
+                                        p = vbroadcast(scores, block_size + o)
+                                        f0, f1, f2, f3 = vfma(p, v0, f0), vfma(p, v1, f1), vfma(p, v2, f2), vfma(p, v3, f3)
+                                    if heads > 2:
+                                        p = vbroadcast(scores, 2 * block_size + o)
+                                        h0, h1, h2, h3 = vfma(p, v0, h0), vfma(p, v1, h1), vfma(p, v2, h2), vfma(p, v3, h3)
+                                vstore(acc, q0 + c, e0); vstore(acc, q0 + c + LANES, e1)                 # noqa: E702
+                                vstore(acc, q0 + c + 2 * LANES, e2); vstore(acc, q0 + c + 3 * LANES, e3)  # noqa: E702
+                                if heads > 1:
+                                    vstore(acc, q1 + c, f0); vstore(acc, q1 + c + LANES, f1)                 # noqa: E702
+                                    vstore(acc, q1 + c + 2 * LANES, f2); vstore(acc, q1 + c + 3 * LANES, f3)  # noqa: E702
+                                if heads > 2:
+                                    vstore(acc, q2 + c, h0); vstore(acc, q2 + c + LANES, h1)                 # noqa: E702
+                                    vstore(acc, q2 + c + 2 * LANES, h2); vstore(acc, q2 + c + 3 * LANES, h3)  # noqa: E702
+                            for c in range(quads_end, head_dim, LANES):   # what is left, a register at a time
+                                e0 = _scaled_chunk(acc, q0 + c, s0)
+                                f0 = _scaled_chunk(acc, q1 + c, s1) if heads > 1 else vzero()
+                                h0 = _scaled_chunk(acc, q2 + c, s2) if heads > 2 else vzero()
+                                for o in range(valid):
+                                    v0 = vload(v_flat, base + o * token_stride + c)
+                                    e0 = vfma(vbroadcast(scores, o), v0, e0)
+                                    if heads > 1:
+                                        f0 = vfma(vbroadcast(scores, block_size + o), v0, f0)
+                                    if heads > 2:
+                                        h0 = vfma(vbroadcast(scores, 2 * block_size + o), v0, h0)
+                                vstore(acc, q0 + c, e0)
+                                if heads > 1:
+                                    vstore(acc, q1 + c, f0)
+                                if heads > 2:
+                                    vstore(acc, q2 + c, h0)
+            if slot >= 0:                               # a slice: merged afterwards
+                for r in range(rows):
+                    part_max[slot, r] = row_max[r]
+                    part_sum[slot, r] = row_sum[r]
+                    for d in range(head_dim):
+                        part_acc[slot, r, d] = acc[r * head_dim + d]
+                continue
+            for r in range(rows):
+                inv = np.float32(1.0) / row_sum[r]
+                for d in range(head_dim):
+                    out[t0 + r // num_heads, r % num_heads, d] = acc[r * head_dim + d] * inv
+
+
+def vector_heads(group: int) -> int:
+    """Query heads of a GQA group the register kernel scores together: the largest divisor of the
+    group up to 3 (its registers hold three heads' sums beside a block's values)."""
+    return max(n for n in (1, 2, 3) if group % n == 0)
+
+
+_vector_attention = {heads: two_ways(_specialize(_vector_attention_body, HEADS_TOGETHER=heads),
+                                     "ATTENTION_PARALLEL_MIN_WORK", SIMD_CACHE) for heads in (1, 2, 3)}
+
+
+def _flat_window(pool: np.ndarray) -> np.ndarray | None:
+    """The float32 memory a pool view spans, as a flat array over the same bytes (None when its
+    rows of head_dim are not contiguous, or a stride is negative): element i of the window is
+    the float32 i elements past the pool's first one."""
+    if pool.dtype != np.float32:
+        return None
+    if pool.flags.c_contiguous:          # every engine pool: a plain view (as_strided costs ~10 us)
+        return pool.reshape(-1)
+    strides = pool.strides
+    if strides[-1] != 4 or any(st < 0 or st % 4 for st in strides):
+        return None
+    span = 1 + sum((n - 1) * st // 4 for n, st in zip(pool.shape, strides)) if pool.size else 0
+    return np.lib.stride_tricks.as_strided(pool, shape=(span,), strides=(4,))
+
+
+def _vector_attention_call(q, k_cache, v_cache, plan, scale, part_acc, part_max, part_sum, out,
+                           bounds: BlockBounds | None = None) -> bool:
+    """Run the register kernel when it can read this cache; False when it cannot."""
+    head_dim = q.shape[2]
+    if not VECTOR_ATTENTION or head_dim % LANES or k_cache.strides != v_cache.strides:
+        return False
+    k_flat, v_flat = _flat_window(k_cache), _flat_window(v_cache)
+    if k_flat is None or v_flat is None:
+        return False
+    block_stride, head_stride, token_stride, _ = (st // 4 for st in k_cache.strides)
+    kernel = _vector_attention[vector_heads(q.shape[1] // k_cache.shape[1])](plan.work_estimate)
+    meta = plan.meta
+    key_min, key_max, keep = ((_NO_BOUNDS, _NO_BOUNDS, 0) if bounds is None
+                              else (bounds.key_min, bounds.key_max, bounds.keep))
+    kernel(q, k_flat, v_flat, block_stride, head_stride, token_stride, k_cache.shape[2], k_cache.shape[1],
+           meta.block_tables, meta.seq_lens, meta.query_start_loc, np.float32(scale), plan.items,
+           plan.num_threads, key_min, key_max, keep, part_acc, part_max, part_sum, out)
+    return True
+
+
 # Queries per sequence from which the two attention products go to BLAS instead.
 BLAS_MIN_QUERIES = 32
 # Query rows per BLAS tile, bounding the (rows, context) score matrix. A tile's scores are
@@ -660,6 +875,8 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     if isinstance(plan, AttentionMetadata):
         plan = plan_attention(plan)
     meta = plan.meta
+    if bounds is not None and len(meta.seq_lens) and bounds.keep * k_cache.shape[2] >= int(meta.seq_lens.max()):
+        bounds = None        # the budget covers every context: dense attention, by the dense kernel
     out = np.empty(q.shape, dtype=np.float32)
     qsl = meta.query_start_loc
     for s in plan.blas_seqs:
@@ -678,9 +895,11 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         part_acc = np.empty((slots, rows, q.shape[2]), np.float32)          # (slots, rows, head_dim)
         part_max = np.empty((slots, rows), np.float32)
         part_sum = np.empty((slots, rows), np.float32)
-        kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, qsl,
-               np.float32(scale), plan.items, plan.num_threads, k_scale, v_scale, key_min, key_max, keep,
-               part_acc, part_max, part_sum, out)
+        if quant is not None or not _vector_attention_call(
+                q, k_cache, v_cache, plan, scale, part_acc, part_max, part_sum, out, bounds):
+            kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, qsl,
+                   np.float32(scale), plan.items, plan.num_threads, k_scale, v_scale, key_min, key_max, keep,
+                   part_acc, part_max, part_sum, out)
         if slots:
             _merge_partials(part_acc, part_max, part_sum, plan.merges, qsl, q.shape[1], out)
     return out

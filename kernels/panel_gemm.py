@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from .simd import LANES, LANES_OVERRIDDEN, REGISTERS, vadd, vbroadcast, vfma, vload, vstore, vzero
+from .simd import LANES, LANES_OVERRIDDEN, REGISTERS, prefetch, vadd, vbroadcast, vfma, vload, vstore, vzero
 
 PANEL = 2 * LANES        # output features per panel: two registers
 ROW_TILE = 4             # rows of x are padded to a multiple of this (1 row excepted)
@@ -50,6 +50,12 @@ CACHE = not LANES_OVERRIDDEN
 # 1536 float32 products (SmolLM2's down projection) was off by up to ~5x more than runs of 128,
 # which are as close as BLAS's sums (tests/test_panel_gemm.py).
 K_RUN = 128
+# The first tile over a panel asks for the weight's lines this many k ahead of the one it reads;
+# the later tiles (whose panel is already in cache) ask for the next panel's, line k at k. Left to
+# the CPU's own prefetcher, a tile's multiply-adds and its panel's reading take turns instead of
+# overlapping: one product of 4 rows cost the reading of its weight plus its arithmetic. On a
+# Zen 3 EPYC this cut one layer's products by 5-19% at 4 to 16 rows (docs/benchmarks.md).
+PREFETCH_K = 32
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,16 @@ def panel_linear(x: np.ndarray, w: PanelWeight, num_threads: int) -> np.ndarray:
 
 
 @njit(fastmath=True, inline="always", cache=CACHE)
+def _prefetch_ahead(w, panel, k, k_dim, first_pass):
+    """Ask for the weight lines read next: PREFETCH_K rows of the panel ahead on its first pass,
+    the next panel's row k on a later one (a hint: values are unchanged, and past w's end it is
+    dropped)."""
+    ahead = panel + (k + PREFETCH_K) * PANEL if first_pass else panel + (k_dim + k) * PANEL
+    for line in range(0, 4 * PANEL, 64):               # PANEL floats a row: 1 or 2 cache lines
+        prefetch(w, 4 * ahead + line)
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
 def _four_rows(x, r, k_dim, k, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3):
     """One k of four rows' sums: x's rows r / k_dim .. + 3 times the panel's two registers at k
     (lo: its first LANES features, hi: the next LANES); a_i, b_i: row i's two registers of sums."""
@@ -153,10 +169,12 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
                 t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()   # the rows' totals
                 t4 = u4 = t5 = u5 = t6 = u6 = t7 = u7 = vzero()
                 r = m * k_dim                         # row m of x
+                first = m == 0                        # this panel's first pass
                 for k0 in range(0, k_dim, K_RUN):
                     a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
                     a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = vzero()
                     for k in range(k0, min(k0 + K_RUN, k_dim)):
+                        _prefetch_ahead(w, panel, k, k_dim, first)
                         lo = vload(w, panel + k * PANEL)             # w[PANEL p : PANEL p + LANES, k]
                         hi = vload(w, panel + k * PANEL + LANES)     # the next LANES features
                         a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
@@ -174,9 +192,11 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
             while m < six_rows_end:                   # a tile of 6 rows: 12 registers of sums
                 t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = t4 = u4 = t5 = u5 = vzero()
                 r = m * k_dim
+                first = m == 0
                 for k0 in range(0, k_dim, K_RUN):
                     a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = a4 = b4 = a5 = b5 = vzero()
                     for k in range(k0, min(k0 + K_RUN, k_dim)):
+                        _prefetch_ahead(w, panel, k, k_dim, first)
                         lo = vload(w, panel + k * PANEL)
                         hi = vload(w, panel + k * PANEL + LANES)
                         a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
@@ -193,9 +213,11 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
             while m + 4 <= rows:                      # a tile of 4 rows: 8 registers of sums
                 t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
                 r = m * k_dim
+                first = m == 0
                 for k0 in range(0, k_dim, K_RUN):
                     a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
                     for k in range(k0, min(k0 + K_RUN, k_dim)):
+                        _prefetch_ahead(w, panel, k, k_dim, first)
                         lo = vload(w, panel + k * PANEL)
                         hi = vload(w, panel + k * PANEL + LANES)
                         a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
@@ -207,9 +229,11 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
             while m < rows:                           # one row (a single sequence's step)
                 t0 = u0 = vzero()
                 r = m * k_dim
+                first = m == 0
                 for k0 in range(0, k_dim, K_RUN):
                     a0 = b0 = vzero()
                     for k in range(k0, min(k0 + K_RUN, k_dim)):
+                        _prefetch_ahead(w, panel, k, k_dim, first)
                         x0 = vbroadcast(x, r + k)
                         a0 = vfma(x0, vload(w, panel + k * PANEL), a0)
                         b0 = vfma(x0, vload(w, panel + k * PANEL + LANES), b0)

@@ -6,7 +6,7 @@ leaves it to LLVM to find such vectors in scalar loops, and LLVM finds them in a
 (a reduction over k) but not in the layout a fast matrix product needs: many independent
 sums, each a whole register, kept in registers across the whole k loop. This module names
 that register directly, as GPU-Puzzles names a thread: ``F32Vec`` is a Numba type whose value
-is an LLVM ``<LANES x float>``, and seven intrinsics work on it:
+is an LLVM ``<LANES x float>``, and nine intrinsics work on it:
 
     vzero()              a register of zeros
     vsplat(s)            a register with s in every lane (a broadcast)
@@ -15,6 +15,10 @@ is an LLVM ``<LANES x float>``, and seven intrinsics work on it:
     vstore(a, i, v)      v into a[i : i + LANES]
     vfma(a, b, c)        a * b + c, lane by lane, one fused multiply-add
     vadd(a, b)           a + b, lane by lane
+    vmul(a, b)           a * b, lane by lane
+    vsum(a)              a.sum(): the lanes added into one float32
+
+and one memory hint beside them, ``prefetch(arr, byte_offset)``, which changes no value.
 
 Their NumPy meaning is the comment beside each; ``tests/test_panel_gemm.py`` checks each one
 against it. No bounds are checked: a caller keeps ``i + LANES <= a.size`` (``vbroadcast``:
@@ -179,3 +183,60 @@ def vadd(typingctx, a, b):
     def codegen(context, builder, sig, args):
         return builder.fadd(args[0], args[1])
     return f32vec(a, b), codegen
+
+
+@intrinsic
+def vmul(typingctx, a, b):
+    """a * b"""
+    if not (a == b == f32vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fmul(args[0], args[1])
+    return f32vec(a, b), codegen
+
+
+@intrinsic
+def vsum(typingctx, a):
+    """a.sum() as a float32: the upper half of the lanes added onto the lower, halving until one
+    lane is left (log2(LANES) shuffles and adds, in that order: the rounding is fixed)"""
+    if a != f32vec:
+        return None
+
+    def codegen(context, builder, sig, args):
+        value, width = args[0], LANES
+        while width > 1:
+            width //= 2
+            low = builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(ir.IntType(32), width),
+                                                                   list(range(width))))
+            high = builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(ir.IntType(32), width),
+                                                                    list(range(width, 2 * width))))
+            value = builder.fadd(low, high)
+        return builder.extract_element(value, ir.IntType(32)(0))
+    return nb_types.float32(a), codegen
+
+
+@intrinsic
+def prefetch(typingctx, arr, byte_offset):
+    """Ask the CPU to start loading the cache line ``byte_offset`` bytes into ``arr``'s data.
+
+    A hint (x86 ``prefetcht0``): it never faults and returns nothing. The decode attention
+    kernels read each K/V block from a page of its own, wherever the allocator put it; the CPU's
+    own prefetcher follows a stream within a page but cannot guess the next page of a block
+    table, so the kernel names it while it works on the current block. The panel products
+    name the weight lines they will read next, so that memory keeps streaming while the
+    multiply-adds of a tile run (kernels/panel_gemm.py).
+    """
+    if not isinstance(arr, nb_types.Array) or not isinstance(byte_offset, nb_types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        byte = ir.IntType(8).as_pointer()
+        address = builder.gep(builder.bitcast(data, byte), [args[1]])
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic(   # named for this LLVM's pointers: .p0i8 or .p0
+            "llvm.prefetch", [byte], ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32]))
+        builder.call(fn, [address, i32(0), i32(3), i32(1)])   # read, into every level, data
+        return context.get_dummy_value()
+    return nb_types.void(arr, nb_types.intp), codegen

@@ -85,11 +85,17 @@ def test_heads_scored_together_divide_the_group():
     assert [cpu.heads_together(g) for g in (1, 2, 3, 4, 5, 6, 8, 12, 7)] == [1, 2, 3, 4, 1, 3, 4, 4, 1]
 
 
+@pytest.mark.parametrize("kernel", ["registers", "loops"])
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
 @pytest.mark.parametrize("path", ["numba", "blas", "mixed"])
-def test_paged_attention_every_path(monkeypatch, threads, path):
-    """Serial and threaded Numba kernels, and the gather + BLAS path for long query runs
-    (in small query tiles, to cross tile edges), all agree with the spec."""
+def test_paged_attention_every_path(monkeypatch, kernel, threads, path):
+    """Serial and threaded Numba kernels (the register kernel a float32 cache takes, and the
+    loops that quantized and sparse caches take), and the gather + BLAS path for long query
+    runs (in small query tiles, to cross tile edges), all agree with the spec."""
+    monkeypatch.setattr(cpu, "VECTOR_ATTENTION", kernel == "registers")
+    taken = []
+    real_call = cpu._vector_attention_call
+    monkeypatch.setattr(cpu, "_vector_attention_call", lambda *a: taken.append(real_call(*a)) or taken[-1])
     for threshold in ("PARALLEL_MIN_ELEMENTS", "ATTENTION_PARALLEL_MIN_WORK", "SOFTMAX_PARALLEL_MIN_ELEMENTS"):
         monkeypatch.setattr(cpu, threshold, 0 if threads == "parallel" else 1 << 62)
     monkeypatch.setattr(cpu, "BLAS_MIN_QUERIES", {"numba": 1 << 30, "blas": 1, "mixed": 20}[path])
@@ -101,6 +107,39 @@ def test_paged_attention_every_path(monkeypatch, threads, path):
     want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, 0.125)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    assert taken == ([] if path == "blas" else [kernel == "registers"])   # the kernel named ran
+
+
+def test_register_attention_takes_float_pools_it_can_address():
+    """The register kernel reads float32 pools whose rows of head_dim are contiguous (strided
+    pools included, through a flat window); head_dim off the register width goes to the loops."""
+    from minipaged.kernels.simd import LANES  # noqa: PLC0415
+
+    q, k_cache, v_cache, meta = random_batch(np.random.default_rng(3), block_size=16, num_heads=9,
+                                             num_kv_heads=3, head_dim=64, seqs=[(1, 70), (2, 33)])
+    plan = cpu.plan_attention(meta)
+    parts = (np.empty((0, 16 * 9, 64), np.float32), np.empty((0, 16 * 9), np.float32), np.empty((0, 16 * 9), np.float32))
+    out = np.empty(q.shape, np.float32)
+    assert cpu._vector_attention_call(q, k_cache, v_cache, plan, 0.125, *parts, out)
+    wide = np.zeros(k_cache.shape[:3] + (96,), np.float32)   # rows of 64 inside rows of 96
+    wide[..., :64] = k_cache
+    window = cpu._flat_window(wide[..., :64])
+    assert window.base is not None and window[96 * 5 + 3] == k_cache[0, 0, 5, 3]
+    assert cpu._flat_window(wide[..., ::2]) is None           # head_dim itself strided
+    wide_v = np.zeros_like(wide)
+    wide_v[..., :64] = v_cache
+    strided_k, strided_v = wide[..., :64], wide_v[..., :64]     # K and V both strided, alike
+    assert cpu._vector_attention_call(q, strided_k, strided_v, plan, 0.125, *parts, out)
+    np.testing.assert_allclose(out, spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                         meta.query_start_loc, 0.125), atol=2e-5, rtol=1e-5)
+    assert cpu._flat_window(k_cache.astype(np.float16)) is None
+    q2, k2, v2, meta2 = random_batch(np.random.default_rng(4), block_size=8, num_heads=2, num_kv_heads=1,
+                                     head_dim=LANES + 4, seqs=[(1, 20)])
+    out2 = np.empty(q2.shape, np.float32)
+    assert not cpu._vector_attention_call(q2, k2, v2, cpu.plan_attention(meta2), 0.1, *parts, out2)
+    np.testing.assert_allclose(cpu.paged_attention(q2, k2, v2, meta2, 0.1),
+                               spec.paged_attention(q2, k2, v2, meta2.block_tables, meta2.seq_lens,
+                                                    meta2.query_start_loc, 0.1), atol=2e-5, rtol=1e-5)
 
 
 @settings(max_examples=30, deadline=None)

@@ -16,13 +16,14 @@ from numba import njit
 from minipaged.kernels import cpu, reference
 from minipaged.kernels.panel_gemm import PANEL, TILE_ROWS, PanelWeight, pack, panel_linear
 from minipaged.kernels.simd import (LANES, LANES_ENV, REGISTERS, host_vector_shape, vadd, vbroadcast, vfma,
-                                    vload, vsplat, vstore, vzero)
+                                    vload, vmul, vsplat, vstore, vsum, vzero)
 
 
 @njit(cache=False)
 def _simd_roundtrip(a, b, c, s, out):
     """out rows: vzero, vsplat(s), vload(a, 3), vfma(a[0:], b[0:], c[0:]), then a store at an
-    offset, vadd(a[0:], c[0:]) and vbroadcast(b, 2) (each through vstore)."""
+    offset, vadd(a[0:], c[0:]), vbroadcast(b, 2) and vmul(a[0:], b[0:]) (each through vstore);
+    returns vsum(a[0:])."""
     vstore(out[0], 0, vzero())
     vstore(out[1], 0, vsplat(s))
     vstore(out[2], 0, vload(a, 3))
@@ -30,13 +31,22 @@ def _simd_roundtrip(a, b, c, s, out):
     vstore(out[4], 5, vload(b, 1))       # a store at an offset leaves the rest of the row alone
     vstore(out[5], 0, vadd(vload(a, 0), vload(c, 0)))
     vstore(out[6], 0, vbroadcast(b, 2))
+    vstore(out[7], 0, vmul(vload(a, 0), vload(b, 0)))
+    return vsum(vload(a, 0))
+
+
+def _halving_sum(v: np.ndarray) -> np.float32:
+    """vsum's documented order: the upper half of the lanes added onto the lower, until one is left."""
+    while len(v) > 1:
+        v = v[:len(v) // 2] + v[len(v) // 2:]
+    return v[0]
 
 
 def test_each_simd_intrinsic_means_its_numpy_expression():
     rng = np.random.default_rng(0)
     a, b, c = (rng.standard_normal(LANES + 8, dtype=np.float32) for _ in range(3))
-    out = np.full((7, LANES + 8), 7.0, np.float32)
-    _simd_roundtrip(a, b, c, np.float32(2.5), out)
+    out = np.full((8, LANES + 8), 7.0, np.float32)
+    total = _simd_roundtrip(a, b, c, np.float32(2.5), out)
     np.testing.assert_array_equal(out[0, :LANES], np.zeros(LANES, np.float32))
     np.testing.assert_array_equal(out[1, :LANES], np.full(LANES, 2.5, np.float32))
     np.testing.assert_array_equal(out[2, :LANES], a[3:3 + LANES])
@@ -45,6 +55,8 @@ def test_each_simd_intrinsic_means_its_numpy_expression():
     np.testing.assert_array_equal(out[4, 5:5 + LANES], b[1:1 + LANES])
     np.testing.assert_array_equal(out[5, :LANES], a[:LANES] + c[:LANES])
     np.testing.assert_array_equal(out[6, :LANES], np.full(LANES, b[2], np.float32))
+    np.testing.assert_array_equal(out[7, :LANES], a[:LANES] * b[:LANES])
+    assert total == _halving_sum(a[:LANES].copy()) and isinstance(total, float)
     assert (out[4, :5] == 7.0).all() and (out[:4, LANES:] == 7.0).all()   # nothing past a register
 
 
@@ -147,6 +159,19 @@ _OTHER_WIDTH_CHECK = textwrap.dedent("""
             for threads in (1, 2):
                 np.testing.assert_allclose(panel_linear(x, packed, threads), reference.linear(x, w),
                                            rtol=1e-4, atol=1e-4 * np.sqrt(k))
+    # paged attention's register kernel, built for this width: a whole register quad (64) and
+    # single registers after the quads (48), decodes, a prompt chunk and a split-K slice
+    from minipaged.kernels import cpu
+    from minipaged.kernels.layout import AttentionMetadata
+    for head_dim in (64, 48):
+        tables = np.array([[3, 0, 5, 1, 2], [4, 6, -1, -1, -1]], np.int32)
+        k_cache, v_cache = (rng.standard_normal((7, 2, 16, head_dim), dtype=np.float32) for _ in range(2))
+        qsl, seq_lens = np.array([0, 1, 6], np.int32), np.array([70, 29], np.int32)
+        q = rng.standard_normal((6, 6, head_dim), dtype=np.float32)
+        meta = AttentionMetadata(np.zeros(6, np.int64), qsl, seq_lens, tables, 5, 70)
+        got = cpu.paged_attention(q, k_cache, v_cache, meta, 0.125)
+        want = reference.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     print(LANES, PANEL, TILE_ROWS)
 """)
 
@@ -163,4 +188,4 @@ def test_panel_products_match_the_spec_at_either_register_width(lanes, tmp_path)
     want = {"8": "8 16 6", "16": "16 32 8"}[lanes]
     assert done.stdout.split("\n")[-2] == want
     cached = [path.name for path in tmp_path.rglob("*.nbi")]          # index files of cached kernels
-    assert not [name for name in cached if "panel" in name], cached
+    assert not [name for name in cached if "panel" in name or "vector_attention" in name], cached
