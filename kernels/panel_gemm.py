@@ -54,7 +54,9 @@ K_RUN = 128
 # the later tiles (whose panel is already in cache) ask for the next panel's, line k at k. Left to
 # the CPU's own prefetcher, a tile's multiply-adds and its panel's reading take turns instead of
 # overlapping: one product of 4 rows cost the reading of its weight plus its arithmetic. On a
-# Zen 3 EPYC this cut one layer's products by 5-19% at 4 to 16 rows (docs/benchmarks.md).
+# Zen 3 EPYC this cut one layer's products by 5-19% at 4 to 16 rows (docs/benchmarks.md). A single
+# row only streams, which the CPU's prefetcher does alone: asked there too, whole one-sequence
+# steps were ~10% slower (23.8-25.7 against 21.6-22.7 ms), so its loop asks for nothing.
 PREFETCH_K = 32
 
 
@@ -229,11 +231,9 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
             while m < rows:                           # one row (a single sequence's step)
                 t0 = u0 = vzero()
                 r = m * k_dim
-                first = m == 0
                 for k0 in range(0, k_dim, K_RUN):
                     a0 = b0 = vzero()
                     for k in range(k0, min(k0 + K_RUN, k_dim)):
-                        _prefetch_ahead(w, panel, k, k_dim, first)
                         x0 = vbroadcast(x, r + k)
                         a0 = vfma(x0, vload(w, panel + k * PANEL), a0)
                         b0 = vfma(x0, vload(w, panel + k * PANEL + LANES), b0)

@@ -77,8 +77,9 @@ def test_machine_probes_measure_something():
 
 def run_roofline_bench(model_dir, out, monkeypatch, *extra: str) -> dict:
     """``bench roofline`` in this process on the tiny model, the machine probes made cheap."""
-    monkeypatch.setattr(roofline, "matmul_peak", lambda: 2e10)
-    monkeypatch.setattr(roofline, "read_bandwidth", lambda: 1e10)
+    peaks, bandwidths = iter([2e10, 1.5e10]), iter([0.5e10, 1e10])   # start, end: the better of each counts
+    monkeypatch.setattr(roofline, "matmul_peak", lambda: next(peaks))
+    monkeypatch.setattr(roofline, "read_bandwidth", lambda: next(bandwidths))
     args = build_parser().parse_args([
         "bench", "roofline", "--model", str(model_dir), "--device", "cpu", "--swap-space", "0",
         "--log-stats-interval", "0", "--out", str(out), *extra])
@@ -99,6 +100,8 @@ def test_roofline_rows_against_the_models_own_arrays(tiny_model_dir, tmp_path, m
     kv_token_bytes = kv.nbytes // (kv.shape[2] * kv.shape[4])
     machine = report["machine"]
     assert machine["matmul_peak"] == 2e10 and machine["read_bandwidth"] == 1e10
+    assert machine["probes"] == [{"matmul_peak": 2e10, "read_bandwidth": 0.5e10},
+                                 {"matmul_peak": 1.5e10, "read_bandwidth": 1e10}]
     assert [r["batch"] for r in report["decode"]] == [1, 2, 3]
     for row in report["decode"]:
         b = row["batch"]

@@ -76,6 +76,10 @@ def print_roofline(report: dict) -> None:
     m = report["machine"]
     print(f"\nroofline: matmul peak {m['matmul_peak'] / 1e9:.1f} GFLOP/s, read bandwidth "
           f"{m['read_bandwidth'] / 1e9:.1f} GB/s, last-level cache {m['last_level_cache_bytes'] >> 20} MiB")
+    if m.get("probes"):
+        print("  (the better of two probes, start and end: "
+              + ", ".join(f"{p['matmul_peak'] / 1e9:.0f} / {p['read_bandwidth'] / 1e9:.1f}" for p in m["probes"])
+              + " GFLOP/s / GB/s)")
     parts = ("matmuls", "lm_head", "attention", "other_kernels", "sampler", "python")
     head = "  ".join(f"{p:>13}" for p in parts)
     print(f"  {'decode':>8} {'ctx':>5} {'step ms':>8} {'bound ms':>8} {'ratio':>6} {'mm GF/s':>8}  {head}")
