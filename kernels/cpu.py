@@ -252,6 +252,47 @@ def _choose_blocks(qs, key_min, key_max, table, num_blocks, keep, num_heads, gro
     return chosen
 
 
+@njit(inline="always", cache=True)
+def _work_item(work, w, block_size, query_start_loc, seq_lens):
+    """Work item w, unpacked: its sequence s, query rows [t0, t1), the blocks it reads
+    [first_block, end_block) (a split-K slice's), its partial slot (-1: a whole tile), and the
+    positions of its first and last query."""
+    s, t0 = work[w, 0], work[w, 1]
+    first_block, end_block, slot = work[w, 2] // block_size, work[w, 3] // block_size, work[w, 4]
+    seq_start, seq_end = query_start_loc[s], query_start_loc[s + 1]
+    t1 = min(t0 + QUERY_TILE, seq_end)
+    first_pos = seq_lens[s] - (seq_end - seq_start) + (t0 - seq_start)
+    last_pos = first_pos + (t1 - t0) - 1
+    return s, t0, t1, first_block, end_block, slot, first_pos, last_pos
+
+
+@njit(inline="always", cache=True)
+def _any_chosen(chosen, r0, heads, j):
+    """Whether any of rows r0 .. r0 + heads - 1 keeps block j (block-sparse decode)."""
+    for g in range(heads):
+        if chosen[r0 + g, j]:
+            return True
+    return False
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def _finish_item(acc, row_max, row_sum, rows, t0, slot, layer_v, part_acc, part_max, part_sum, out):
+    """An item's rows out: a slice's unnormalised sums, max and total into its partial slot (for
+    _merge_partials), or a whole tile's acc / row_sum into out (rows: query-major, then head)."""
+    num_heads, head_dim = out.shape[1], out.shape[2]
+    if slot >= 0:
+        for r in range(rows):
+            part_max[slot, r] = row_max[r]
+            part_sum[slot, r] = row_sum[r]
+            for d in range(head_dim):
+                part_acc[slot, r, d] = acc[r, d] * layer_v
+        return
+    for r in range(rows):
+        inv = layer_v / row_sum[r]
+        for d in range(head_dim):
+            out[t0 + r // num_heads, r % num_heads, d] = acc[r, d] * inv
+
+
 def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            scale, work, num_threads, k_scale, v_scale, key_min, key_max, keep,
                            part_acc, part_max, part_sum, out):
@@ -274,12 +315,8 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
     # and writes its unnormalised sum, max and total for _merge_partials.
     for tid in prange(num_threads):
         for w in range(tid, work.shape[0], num_threads):
-            s, t0 = work[w, 0], work[w, 1]
-            first_block, end_block, slot = work[w, 2] // block_size, work[w, 3] // block_size, work[w, 4]
-            seq_start, seq_end = query_start_loc[s], query_start_loc[s + 1]
-            t1 = min(t0 + QUERY_TILE, seq_end)
-            first_pos = seq_lens[s] - (seq_end - seq_start) + (t0 - seq_start)
-            last_pos = first_pos + (t1 - t0) - 1
+            s, t0, t1, first_block, end_block, slot, first_pos, last_pos = _work_item(
+                work, w, block_size, query_start_loc, seq_lens)
             # One item covers every head of its queries, so it reads each block's
             # contiguous [head 0 | head 1 | ...] chunk once, front to back.
             rows = (t1 - t0) * num_heads                 # row r = query r // num_heads, head r % num_heads
@@ -294,7 +331,7 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
             num_ctx_blocks = last_pos // block_size + 1
             # Block-sparse decode (Quest): a decoding head attends only to the `keep` blocks
             # whose keys could score highest, always the first and the last.
-            sparse = keep > 0 and seq_end - seq_start == 1 and num_ctx_blocks > keep
+            sparse = keep > 0 and query_start_loc[s + 1] - query_start_loc[s] == 1 and num_ctx_blocks > keep
             chosen = _choose_blocks(qs, key_min, key_max, block_tables[s], num_ctx_blocks, keep,
                                     num_heads, group) if sparse else _ALL_BLOCKS
             # GQA: the `group` query heads of a KV head read the same keys and values, so
@@ -319,12 +356,8 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
                     for kv_head in range(num_kv_heads):
                         for g0 in range(0, group, heads):
                             r0 = qi * num_heads + kv_head * group + g0   # rows r0 .. r0 + heads - 1
-                            if sparse:
-                                wanted = False
-                                for g in range(heads):
-                                    wanted = wanted or chosen[r0 + g, j]
-                                if not wanted:
-                                    continue
+                            if sparse and not _any_chosen(chosen, r0, heads, j):
+                                continue                 # no head of the group keeps block j
                             for o in range(valid):               # the block's scores, key by key
                                 a0 = a1 = a2 = a3 = np.float32(0.0)
                                 for d in range(head_dim):
@@ -382,17 +415,7 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
                                         acc[r0 + 2, d] += p2 * value
                                     if heads > 3:
                                         acc[r0 + 3, d] += p3 * value
-            if slot >= 0:                               # a slice: merged afterwards
-                for r in range(rows):
-                    part_max[slot, r] = row_max[r]
-                    part_sum[slot, r] = row_sum[r]
-                    for d in range(head_dim):
-                        part_acc[slot, r, d] = acc[r, d] * layer_v
-                continue
-            for r in range(rows):
-                inv = layer_v / row_sum[r]
-                for d in range(head_dim):
-                    out[t0 + r // num_heads, r % num_heads, d] = acc[r, d] * inv
+            _finish_item(acc, row_max, row_sum, rows, t0, slot, layer_v, part_acc, part_max, part_sum, out)
 
 
 KV_FORMAT = KV_FLOAT     # what the copies below replace; read by the kernel body only
@@ -463,17 +486,14 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
         # a thread's scratch, flat (rows x head_dim): scaled queries, running sums of p * v
         queries = np.empty((QUERY_TILE * num_heads, head_dim), np.float32)   # (rows, head_dim)
         qs = queries.reshape(-1)                                            # the same, flat
-        acc = np.empty(QUERY_TILE * num_heads * head_dim, np.float32)
+        sums = np.empty((QUERY_TILE * num_heads, head_dim), np.float32)      # (rows, head_dim) of p * v
+        acc = sums.reshape(-1)                                              # the same, flat
         row_max = np.empty(QUERY_TILE * num_heads, np.float32)
         row_sum = np.empty(QUERY_TILE * num_heads, np.float32)
         scores = np.empty(3 * block_size, np.float32)    # a block's scores, then p, for each head
         for w in range(tid, work.shape[0], num_threads):
-            s, t0 = work[w, 0], work[w, 1]
-            first_block, end_block, slot = work[w, 2] // block_size, work[w, 3] // block_size, work[w, 4]
-            seq_start, seq_end = query_start_loc[s], query_start_loc[s + 1]
-            t1 = min(t0 + QUERY_TILE, seq_end)
-            first_pos = seq_lens[s] - (seq_end - seq_start) + (t0 - seq_start)
-            last_pos = first_pos + (t1 - t0) - 1
+            s, t0, t1, first_block, end_block, slot, first_pos, last_pos = _work_item(
+                work, w, block_size, query_start_loc, seq_lens)
             rows = (t1 - t0) * num_heads                 # row r = query r // num_heads, head r % num_heads
             for r in range(rows):
                 row_max[r] = -np.inf
@@ -484,7 +504,7 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
             num_ctx_blocks = last_pos // block_size + 1
             # Block-sparse decode (Quest): as in the loop kernel, a decoding head reads only the
             # `keep` blocks whose keys could score highest, always the first and the last.
-            sparse = keep > 0 and seq_end - seq_start == 1 and num_ctx_blocks > keep
+            sparse = keep > 0 and query_start_loc[s + 1] - query_start_loc[s] == 1 and num_ctx_blocks > keep
             chosen = _choose_blocks(queries[:rows], key_min, key_max, block_tables[s], num_ctx_blocks,
                                     keep, num_heads, group) if sparse else _ALL_BLOCKS
             last_block = min(end_block, num_ctx_blocks)
@@ -501,12 +521,8 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
                         base = block * block_stride + kv_head * head_stride     # the head's tile
                         for g0 in range(0, group, heads):
                             r0 = qi * num_heads + kv_head * group + g0   # rows r0 .. r0 + heads - 1
-                            if sparse:
-                                wanted = False
-                                for g in range(heads):
-                                    wanted = wanted or chosen[r0 + g, j]
-                                if not wanted:
-                                    continue
+                            if sparse and not _any_chosen(chosen, r0, heads, j):
+                                continue                 # no head of the group keeps block j
                             q0 = r0 * head_dim                           # where row r0's queries start
                             q1, q2 = q0 + head_dim, q0 + 2 * head_dim
                             for o in range(valid):               # the block's scores, key by key
@@ -605,17 +621,7 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
                                     vstore(acc, q1 + c, f0)
                                 if heads > 2:
                                     vstore(acc, q2 + c, h0)
-            if slot >= 0:                               # a slice: merged afterwards
-                for r in range(rows):
-                    part_max[slot, r] = row_max[r]
-                    part_sum[slot, r] = row_sum[r]
-                    for d in range(head_dim):
-                        part_acc[slot, r, d] = acc[r * head_dim + d]
-                continue
-            for r in range(rows):
-                inv = np.float32(1.0) / row_sum[r]
-                for d in range(head_dim):
-                    out[t0 + r // num_heads, r % num_heads, d] = acc[r * head_dim + d] * inv
+            _finish_item(sums, row_max, row_sum, rows, t0, slot, np.float32(1.0), part_acc, part_max, part_sum, out)
 
 
 def vector_heads(group: int) -> int:
