@@ -192,7 +192,7 @@ def test_causal_softmax_matches_numpy(width):
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
 @pytest.mark.parametrize("tokens", [1, 3, 200])
 def test_elementwise_kernels_match_spec(monkeypatch, threads, tokens):
-    for threshold in ("PARALLEL_MIN_ELEMENTS", "LIGHT_PARALLEL_MIN_ELEMENTS"):
+    for threshold in ("PARALLEL_MIN_ELEMENTS", "LIGHT_PARALLEL_MIN_ELEMENTS", "SILU_PARALLEL_MIN_ELEMENTS"):
         monkeypatch.setattr(cpu, threshold, 0 if threads == "parallel" else 1 << 62)
     rng = np.random.default_rng(tokens)
     x = rng.standard_normal((tokens, 96)).astype(np.float32)
