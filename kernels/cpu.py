@@ -2,8 +2,9 @@
 
 Each public function has a NumPy spec of the same name in ``kernels/reference.py``
 and is tested against it. Work is split over CPU threads with ``prange``; inside
-a thread the loops over ``head_dim`` are what LLVM vectorises (fastmath lets it
-reorder the float sums).
+a thread most loops are left for LLVM to vectorise (fastmath lets it reorder the
+float sums), while decode attention on a float32 pool names its vector registers
+(``kernels/simd.py``), as the panel products do.
 
 The module is used as an "ops" namespace by the model: ``ops.rms_norm(...)``,
 ``ops.paged_attention(...)``; ``kernels/cuda.py`` (``CudaOps``) offers the same names.
@@ -22,7 +23,7 @@ from .kv_quant import (K_SCALE_CONSTANT, KV_FLOAT, KV_FP8_E4M3, KV_FP8_E5M2, KV_
                        _float_from_bits, dequantize, float_to_fp8, fp8_widen_scale, widen)
 from .layout import AttentionMetadata, BlockBounds, KVQuant
 from .panel_gemm import PanelWeight, pack as pack_panels
-from .simd import LANES, LANES_OVERRIDDEN, prefetch, vbroadcast, vfma, vload, vmul, vsplat, vstore, vsum, vzero
+from .simd import LANES, SIMD_CACHE, prefetch, vbroadcast, vfma, vload, vmul, vsplat, vstore, vsum, vzero
 
 xp = np  # the array module this backend computes with
 
@@ -47,7 +48,8 @@ SILU_PARALLEL_MIN_ELEMENTS = 1 << 13
 
 
 def two_ways(fn, min_work: str = "PARALLEL_MIN_ELEMENTS", cache: bool = True):
-    """Compile ``fn`` twice: serial (prange acts as range) and across threads.
+    """Compile ``fn`` twice: serial (prange acts as range) and across threads (each cached on disk
+    when ``cache``), picked by a work size against the module threshold named ``min_work``.
 
     The serial copy gets its own name: Numba's on-disk cache is keyed by the
     function's qualified name and signature, not by the ``parallel`` flag, so
@@ -257,14 +259,15 @@ def _choose_blocks(qs, key_min, key_max, table, num_blocks, keep, num_heads, gro
 
 
 @njit(inline="always", cache=True)
-def _work_item(work, w, block_size, query_start_loc, seq_lens):
-    """Work item w, unpacked: its sequence s, query rows [t0, t1), the blocks it reads
+def _work_item(work, w, tile, block_size, query_start_loc, seq_lens):
+    """Work item w (tiles of ``tile`` queries: the caller's QUERY_TILE, so that one value sizes
+    its scratch and its tiles), unpacked: its sequence s, query rows [t0, t1), the blocks it reads
     [first_block, end_block) (a split-K slice's), its partial slot (-1: a whole tile), and the
     positions of its first and last query."""
     s, t0 = work[w, 0], work[w, 1]
     first_block, end_block, slot = work[w, 2] // block_size, work[w, 3] // block_size, work[w, 4]
     seq_start, seq_end = query_start_loc[s], query_start_loc[s + 1]
-    t1 = min(t0 + QUERY_TILE, seq_end)
+    t1 = min(t0 + tile, seq_end)
     first_pos = seq_lens[s] - (seq_end - seq_start) + (t0 - seq_start)
     last_pos = first_pos + (t1 - t0) - 1
     return s, t0, t1, first_block, end_block, slot, first_pos, last_pos
@@ -320,7 +323,7 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
     for tid in prange(num_threads):
         for w in range(tid, work.shape[0], num_threads):
             s, t0, t1, first_block, end_block, slot, first_pos, last_pos = _work_item(
-                work, w, block_size, query_start_loc, seq_lens)
+                work, w, QUERY_TILE, block_size, query_start_loc, seq_lens)
             # One item covers every head of its queries, so it reads each block's
             # contiguous [head 0 | head 1 | ...] chunk once, front to back.
             rows = (t1 - t0) * num_heads                 # row r = query r // num_heads, head r % num_heads
@@ -461,11 +464,20 @@ _paged_attention = {(fmt, heads): two_ways(_specialize(_paged_attention_body, KV
 # where the loop above loads and stores them for every key. While it works on a block, it asks
 # for the next block's K and V a few lines per key. At 64 decodes of 264 tokens, all 30 layers:
 # 30-32 ms a step against 37-40 (2-core AMD EPYC, Zen 3, docs/benchmarks.md). Quantized caches,
-# and head_dim that is not a multiple of LANES, use the loop above.
+# head_dim that is not a multiple of LANES, and pools it cannot address as a flat window (head_dim
+# strided, negative strides, K and V laid out differently) use the loop above.
 VECTOR_ATTENTION = True
-# Built for another register width (MINIPAGED_SIMD_LANES), the kernel is not cached on disk: Numba's
-# cache is keyed by the CPU, not by the LANES it was compiled for (as kernels/panel_gemm.py).
-SIMD_CACHE = not LANES_OVERRIDDEN
+
+
+@njit(fastmath=True, inline="always", cache=SIMD_CACHE)
+def _three_fmas(heads, p0, p1, p2, value, a, b, c):
+    """p_g * value + sum_g for the group's first ``heads`` (1 to 3) heads; the others unchanged."""
+    a = vfma(p0, value, a)
+    if heads > 1:
+        b = vfma(p1, value, b)
+    if heads > 2:
+        c = vfma(p2, value, c)
+    return a, b, c
 
 
 @njit(fastmath=True, inline="always", cache=SIMD_CACHE)
@@ -497,7 +509,7 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
         scores = np.empty(3 * block_size, np.float32)    # a block's scores, then p, for each head
         for w in range(tid, work.shape[0], num_threads):
             s, t0, t1, first_block, end_block, slot, first_pos, last_pos = _work_item(
-                work, w, block_size, query_start_loc, seq_lens)
+                work, w, QUERY_TILE, block_size, query_start_loc, seq_lens)
             rows = (t1 - t0) * num_heads                 # row r = query r // num_heads, head r % num_heads
             for r in range(rows):
                 row_max[r] = -np.inf
@@ -531,9 +543,10 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
                             q1, q2 = q0 + head_dim, q0 + 2 * head_dim
                             for o in range(valid):               # the block's scores, key by key
                                 key_at = base + o * token_stride
-                                for line in range(0, head_dim, 16):   # the next block, a line at a time
-                                    prefetch(k_flat, 4 * (key_at + ahead + line))
-                                    prefetch(v_flat, 4 * (key_at + ahead + line))
+                                if ahead != 0 and qi == 0 and g0 == 0:   # the next block, once, a line at a time
+                                    for line in range(0, head_dim, 16):
+                                        prefetch(k_flat, 4 * (key_at + ahead + line))
+                                        prefetch(v_flat, 4 * (key_at + ahead + line))
                                 a0 = a1 = a2 = vzero()
                                 for c in range(0, head_dim, LANES):
                                     key = vload(k_flat, key_at + c)
@@ -590,17 +603,20 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
                                     h2 = _scaled_chunk(acc, q2 + c + 2 * LANES, s2)
                                     h3 = _scaled_chunk(acc, q2 + c + 3 * LANES, s2)
                                 for o in range(valid):
+                                    # the heads' p first, then one value register at a time:
+                                    # 12 sums + 3 p + 1 value = AVX2's 16 registers, none spilled
                                     at = base + o * token_stride + c
-                                    v0, v1 = vload(v_flat, at), vload(v_flat, at + LANES)
-                                    v2, v3 = vload(v_flat, at + 2 * LANES), vload(v_flat, at + 3 * LANES)
-                                    p = vbroadcast(scores, o)
-                                    e0, e1, e2, e3 = vfma(p, v0, e0), vfma(p, v1, e1), vfma(p, v2, e2), vfma(p, v3, e3)
-                                    if heads > 1:
-                                        p = vbroadcast(scores, block_size + o)
-                                        f0, f1, f2, f3 = vfma(p, v0, f0), vfma(p, v1, f1), vfma(p, v2, f2), vfma(p, v3, f3)
-                                    if heads > 2:
-                                        p = vbroadcast(scores, 2 * block_size + o)
-                                        h0, h1, h2, h3 = vfma(p, v0, h0), vfma(p, v1, h1), vfma(p, v2, h2), vfma(p, v3, h3)
+                                    p0 = vbroadcast(scores, o)
+                                    p1 = vbroadcast(scores, block_size + o) if heads > 1 else p0
+                                    p2 = vbroadcast(scores, 2 * block_size + o) if heads > 2 else p0
+                                    value = vload(v_flat, at)
+                                    e0, f0, h0 = _three_fmas(heads, p0, p1, p2, value, e0, f0, h0)
+                                    value = vload(v_flat, at + LANES)
+                                    e1, f1, h1 = _three_fmas(heads, p0, p1, p2, value, e1, f1, h1)
+                                    value = vload(v_flat, at + 2 * LANES)
+                                    e2, f2, h2 = _three_fmas(heads, p0, p1, p2, value, e2, f2, h2)
+                                    value = vload(v_flat, at + 3 * LANES)
+                                    e3, f3, h3 = _three_fmas(heads, p0, p1, p2, value, e3, f3, h3)
                                 vstore(acc, q0 + c, e0); vstore(acc, q0 + c + LANES, e1)                 # noqa: E702
                                 vstore(acc, q0 + c + 2 * LANES, e2); vstore(acc, q0 + c + 3 * LANES, e3)  # noqa: E702
                                 if heads > 1:
@@ -634,6 +650,7 @@ def vector_heads(group: int) -> int:
     return max(n for n in (1, 2, 3) if group % n == 0)
 
 
+# serial and threaded compilations for 1, 2 or 3 heads scored together, compiled on first use
 _vector_attention = {heads: two_ways(_specialize(_vector_attention_body, HEADS_TOGETHER=heads),
                                      "ATTENTION_PARALLEL_MIN_WORK", SIMD_CACHE) for heads in (1, 2, 3)}
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from .simd import LANES, LANES_OVERRIDDEN, REGISTERS, prefetch, vadd, vbroadcast, vfma, vload, vstore, vzero
+from .simd import LANES, REGISTERS, SIMD_CACHE, prefetch, vadd, vbroadcast, vfma, vload, vstore, vzero
 
 PANEL = 2 * LANES        # output features per panel: two registers
 ROW_TILE = 4             # rows of x are padded to a multiple of this (1 row excepted)
@@ -45,7 +45,7 @@ ROW_TILE = 4             # rows of x are padded to a multiple of this (1 row exc
 TILE_ROWS = 8 if REGISTERS == 32 else 6
 # A width other than this machine's (MINIPAGED_SIMD_LANES, for tests) is compiled afresh each
 # time: Numba's on-disk cache is keyed by the CPU, not by the LANES a kernel was built for.
-CACHE = not LANES_OVERRIDDEN
+CACHE = SIMD_CACHE
 # Each register's sum runs over at most this many k, then joins its row's total: one chain of
 # 1536 float32 products (SmolLM2's down projection) was off by up to ~5x more than runs of 128,
 # which are as close as BLAS's sums (tests/test_panel_gemm.py).

@@ -62,6 +62,10 @@ def host_vector_shape(override: str | None = None) -> tuple[int, int]:
 
 _OVERRIDE = os.environ.get(LANES_ENV)
 LANES_OVERRIDDEN = bool(_OVERRIDE)
+# Whether kernels built on these registers may be cached on disk: not under an override, since
+# Numba's cache is keyed by the CPU, not by the LANES a kernel was built for. (Numba also checks
+# only the kernel's own file for changes: after an edit here, clear the kernels' __pycache__.)
+SIMD_CACHE = not LANES_OVERRIDDEN
 LANES, REGISTERS = host_vector_shape(_OVERRIDE)   # float32s in one register; how many registers
 _VECTOR = ir.VectorType(ir.FloatType(), LANES)
 
@@ -199,7 +203,7 @@ def vmul(typingctx, a, b):
 @intrinsic
 def vsum(typingctx, a):
     """a.sum() as a float32: the upper half of the lanes added onto the lower, halving until one
-    lane is left (log2(LANES) shuffles and adds, in that order: the rounding is fixed)"""
+    lane is left (log2(LANES) shuffles and adds; in a fastmath kernel LLVM may reorder them)"""
     if a != f32vec:
         return None
 

@@ -55,12 +55,17 @@ def attention_cases(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(attention_cases())
-def test_paged_attention_matches_spec(case):
+@given(attention_cases(), st.sampled_from([True, True, False]))
+def test_paged_attention_matches_spec(case, registers):
+    """Either kernel (a third of the cases on the loop kernel a float pool no longer takes)."""
     shape, seed = case
+    cpu.VECTOR_ATTENTION = registers
     q, k_cache, v_cache, meta = random_batch(np.random.default_rng(seed), **shape)
     scale = 1.0 / np.sqrt(shape["head_dim"])
-    got = cpu.paged_attention(q, k_cache, v_cache, meta, scale)
+    try:
+        got = cpu.paged_attention(q, k_cache, v_cache, meta, scale)
+    finally:
+        cpu.VECTOR_ATTENTION = True
     want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, scale)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
@@ -90,7 +95,7 @@ def test_heads_scored_together_divide_the_group():
 @pytest.mark.parametrize("path", ["numba", "blas", "mixed"])
 def test_paged_attention_every_path(monkeypatch, kernel, threads, path):
     """Serial and threaded Numba kernels (the register kernel a float32 cache takes, and the
-    loops that quantized and sparse caches take), and the gather + BLAS path for long query
+    loops that quantized caches take), and the gather + BLAS path for long query
     runs (in small query tiles, to cross tile edges), all agree with the spec."""
     monkeypatch.setattr(cpu, "VECTOR_ATTENTION", kernel == "registers")
     taken = []
@@ -133,6 +138,8 @@ def test_register_attention_takes_float_pools_it_can_address():
     np.testing.assert_allclose(out, spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                                          meta.query_start_loc, 0.125), atol=2e-5, rtol=1e-5)
     assert cpu._flat_window(k_cache.astype(np.float16)) is None
+    assert cpu._flat_window(k_cache[::-1]) is None             # a negative stride
+    assert not cpu._vector_attention_call(q, k_cache, strided_k, plan, 0.125, *parts, out)   # K, V unalike
     q2, k2, v2, meta2 = random_batch(np.random.default_rng(4), block_size=8, num_heads=2, num_kv_heads=1,
                                      head_dim=LANES + 4, seqs=[(1, 20)])
     out2 = np.empty(q2.shape, np.float32)

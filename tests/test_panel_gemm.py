@@ -160,9 +160,20 @@ _OTHER_WIDTH_CHECK = textwrap.dedent("""
                 np.testing.assert_allclose(panel_linear(x, packed, threads), reference.linear(x, w),
                                            rtol=1e-4, atol=1e-4 * np.sqrt(k))
     # paged attention's register kernel, built for this width: a whole register quad (64) and
-    # single registers after the quads (48), decodes, a prompt chunk and a split-K slice
+    # single registers after the quads (48), decodes and a prompt chunk
     from minipaged.kernels import cpu
     from minipaged.kernels.layout import AttentionMetadata
+    cpu.SPLIT_MIN_TOKENS = 8             # one long decode alone: cut into a slice per thread
+    meta = AttentionMetadata(np.zeros(1, np.int64), np.array([0, 1], np.int32), np.array([70], np.int32),
+                             np.array([[3, 0, 5, 1, 2]], np.int32), 1, 70)
+    k_cache, v_cache = (rng.standard_normal((7, 2, 16, 64), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((1, 6, 64), dtype=np.float32)
+    from numba import get_num_threads
+    assert len(cpu.plan_attention(meta).merges) == (1 if get_num_threads() > 1 else 0)
+    np.testing.assert_allclose(cpu.paged_attention(q, k_cache, v_cache, meta, 0.125),
+                               reference.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                         meta.query_start_loc, 0.125), atol=2e-5, rtol=1e-5)
+    cpu.SPLIT_MIN_TOKENS = 256
     for head_dim in (64, 48):
         tables = np.array([[3, 0, 5, 1, 2], [4, 6, -1, -1, -1]], np.int32)
         k_cache, v_cache = (rng.standard_normal((7, 2, 16, head_dim), dtype=np.float32) for _ in range(2))
