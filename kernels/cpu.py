@@ -283,6 +283,30 @@ def _any_chosen(chosen, r0, heads, j):
 
 
 @njit(fastmath=True, inline="always", cache=True)
+def _softmax_block(row, valid, row_max, row_sum, r, skip):
+    """One block's online softmax step for row r: row[:valid] holds its scores, and gets their
+    e^(s - new max); row_max[r] and row_sum[r] are brought up to date. Returns the factor the
+    row's running sum of p * v must be scaled by. ``skip`` (block-sparse: this head does not read
+    the block): p = 0 and the factor 1, the row's statistics untouched."""
+    if skip:
+        for o in range(valid):
+            row[o] = 0.0
+        return np.float32(1.0)
+    new_max = row_max[r]
+    for o in range(valid):
+        new_max = max(new_max, row[o])
+    correction = fast_exp(row_max[r] - new_max)
+    total = row_sum[r] * correction
+    for o in range(valid):                   # the block's exps, vectorised
+        row[o] = fast_exp(row[o] - new_max)
+    for o in range(valid):
+        total += row[o]
+    row_sum[r] = total
+    row_max[r] = new_max
+    return correction
+
+
+@njit(fastmath=True, inline="always", cache=True)
 def _finish_item(acc, row_max, row_sum, rows, t0, slot, layer_v, part_acc, part_max, part_sum, out):
     """An item's rows out: a slice's unnormalised sums, max and total into its partial slot (for
     _merge_partials), or a whole tile's acc / row_sum into out (rows: query-major, then head)."""
@@ -388,23 +412,11 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
                                     scores[3, o] = a3
                             for g in range(heads):               # each head's online softmax
                                 r = r0 + g
-                                if sparse and not chosen[r, j]:  # this head skips the block
-                                    for o in range(valid):
-                                        scores[g, o] = 0.0
-                                    continue
-                                new_max = row_max[r]
-                                for o in range(valid):
-                                    new_max = max(new_max, scores[g, o])
-                                correction = fast_exp(row_max[r] - new_max)
-                                for d in range(head_dim):
-                                    acc[r, d] *= correction
-                                total = row_sum[r] * correction
-                                for o in range(valid):           # the block's exps, vectorised
-                                    scores[g, o] = fast_exp(scores[g, o] - new_max)
-                                for o in range(valid):
-                                    total += scores[g, o]
-                                row_sum[r] = total
-                                row_max[r] = new_max
+                                skip = sparse and not chosen[r, j]   # this head skips the block
+                                correction = _softmax_block(scores[g], valid, row_max, row_sum, r, skip)
+                                if not skip:
+                                    for d in range(head_dim):
+                                        acc[r, d] *= correction
                             for o in range(valid):               # p * v, each value loaded once
                                 p0 = scores[0, o]
                                 p1 = scores[1, o] if heads > 1 else np.float32(0.0)
@@ -560,24 +572,11 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
                                     scores[block_size + o] = vsum(a1)
                                 if heads > 2:
                                     scores[2 * block_size + o] = vsum(a2)
+                            # each head's online softmax; its factor scales the sums as they load
                             c0 = c1 = c2 = np.float32(1.0)
-                            for g in range(heads):               # each head's online softmax
-                                r, at = r0 + g, g * block_size
-                                if sparse and not chosen[r, j]:  # this head skips the block:
-                                    for o in range(valid):       # p = 0, its sums scaled by 1
-                                        scores[at + o] = 0.0
-                                    continue
-                                new_max = row_max[r]
-                                for o in range(valid):
-                                    new_max = max(new_max, scores[at + o])
-                                correction = fast_exp(row_max[r] - new_max)
-                                total = row_sum[r] * correction
-                                for o in range(valid):
-                                    scores[at + o] = fast_exp(scores[at + o] - new_max)
-                                for o in range(valid):
-                                    total += scores[at + o]
-                                row_sum[r] = total
-                                row_max[r] = new_max
+                            for g in range(heads):
+                                correction = _softmax_block(scores[g * block_size:], valid, row_max, row_sum,
+                                                            r0 + g, sparse and not chosen[r0 + g, j])
                                 if g == 0:
                                     c0 = correction
                                 elif g == 1:
@@ -670,6 +669,11 @@ def _flat_window(pool: np.ndarray) -> np.ndarray | None:
     return np.lib.stride_tricks.as_strided(pool, shape=(span,), strides=(4,))
 
 
+def _bounds_args(bounds: BlockBounds | None) -> tuple:
+    """(key_min, key_max, keep) for the kernels: placeholders and 0 (dense) without bounds."""
+    return (_NO_BOUNDS, _NO_BOUNDS, 0) if bounds is None else (bounds.key_min, bounds.key_max, bounds.keep)
+
+
 def _vector_attention_call(q, k_cache, v_cache, plan, scale, part_acc, part_max, part_sum, out,
                            bounds: BlockBounds | None = None) -> bool:
     """Run the register kernel when it can read this cache; False when it cannot."""
@@ -682,8 +686,7 @@ def _vector_attention_call(q, k_cache, v_cache, plan, scale, part_acc, part_max,
     block_stride, head_stride, token_stride, _ = (st // 4 for st in k_cache.strides)
     kernel = _vector_attention[vector_heads(q.shape[1] // k_cache.shape[1])](plan.work_estimate)
     meta = plan.meta
-    key_min, key_max, keep = ((_NO_BOUNDS, _NO_BOUNDS, 0) if bounds is None
-                              else (bounds.key_min, bounds.key_max, bounds.keep))
+    key_min, key_max, keep = _bounds_args(bounds)
     kernel(q, k_flat, v_flat, block_stride, head_stride, token_stride, k_cache.shape[2], k_cache.shape[1],
            meta.block_tables, meta.seq_lens, meta.query_start_loc, np.float32(scale), plan.items,
            plan.num_threads, key_min, key_max, keep, part_acc, part_max, part_sum, out)
@@ -911,12 +914,6 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         _blas_attention(q[a:b], k_cache, v_cache, meta.block_tables[s], int(meta.seq_lens[s]),
                         scale, out[a:b], quant, plan.gemm)
     if len(plan.work):
-        fmt, k_scale, v_scale = ((KV_FLOAT, _NO_SCALES, _NO_SCALES) if quant is None
-                                 else (quant.fmt, quant.k_scale, quant.v_scale))
-        heads = heads_together(q.shape[1] // k_cache.shape[1])
-        kernel = _paged_attention[fmt, heads](plan.work_estimate)
-        key_min, key_max, keep = ((_NO_BOUNDS, _NO_BOUNDS, 0) if bounds is None
-                                  else (bounds.key_min, bounds.key_max, bounds.keep))
         slots = int(plan.merges[:, 3].sum()) if len(plan.merges) else 0
         rows = QUERY_TILE * q.shape[1]
         part_acc = np.empty((slots, rows, q.shape[2]), np.float32)          # (slots, rows, head_dim)
@@ -924,6 +921,10 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         part_sum = np.empty((slots, rows), np.float32)
         if quant is not None or not _vector_attention_call(
                 q, k_cache, v_cache, plan, scale, part_acc, part_max, part_sum, out, bounds):
+            fmt, k_scale, v_scale = ((KV_FLOAT, _NO_SCALES, _NO_SCALES) if quant is None
+                                     else (quant.fmt, quant.k_scale, quant.v_scale))
+            kernel = _paged_attention[fmt, heads_together(q.shape[1] // k_cache.shape[1])](plan.work_estimate)
+            key_min, key_max, keep = _bounds_args(bounds)
             kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, qsl,
                    np.float32(scale), plan.items, plan.num_threads, k_scale, v_scale, key_min, key_max, keep,
                    part_acc, part_max, part_sum, out)
