@@ -50,13 +50,17 @@ CACHE = SIMD_CACHE
 # 1536 float32 products (SmolLM2's down projection) was off by up to ~5x more than runs of 128,
 # which are as close as BLAS's sums (tests/test_panel_gemm.py).
 K_RUN = 128
-# The first tile over a panel asks for the weight's lines this many k ahead of the one it reads;
-# the later tiles (whose panel is already in cache) ask for the next panel's, line k at k. Left to
-# the CPU's own prefetcher, a tile's multiply-adds and its panel's reading take turns instead of
-# overlapping: one product of 4 rows cost the reading of its weight plus its arithmetic. On a
-# Zen 3 EPYC this cut one layer's products by 5-19% at 4 to 16 rows (docs/benchmarks.md). A single
-# row only streams, which the CPU's prefetcher does alone: asked there too, whole one-sequence
-# steps were ~10% slower (23.8-25.7 against 21.6-22.7 ms), so its loop asks for nothing.
+# Left to the CPU's own prefetcher, a tile's multiply-adds and its panel's reading take turns
+# instead of overlapping: one product of 4 rows cost the reading of its weight plus its
+# arithmetic. So every pass of a tile of rows over a panel asks for its rows' share of the *next*
+# panel, spread evenly over its k (``_pass_plan``, ``_prefetch_next``): the next panel streams in
+# while each pass multiplies, not only while the first one does. On a Zen 3 EPYC a whole step's
+# products were 12-14% faster at 8 and 16 rows than when the first pass streamed its own panel
+# and the later ones asked for the next (docs/benchmarks.md). A lone pass (4 rows, or 8 with
+# AVX-512), and a thread's first panel, which no pass before asked for, read their own panel
+# and ask for its lines this many k ahead. A single row only streams, which the CPU's prefetcher
+# does alone: asked there too, whole one-sequence steps were ~10% slower (23.8-25.7 against
+# 21.6-22.7 ms), so its loop asks for nothing.
 PREFETCH_K = 32
 
 
@@ -111,13 +115,43 @@ def panel_linear(x: np.ndarray, w: PanelWeight, num_threads: int) -> np.ndarray:
 
 
 @njit(fastmath=True, inline="always", cache=CACHE)
-def _prefetch_ahead(w, panel, k, k_dim, first_pass):
-    """Ask for the weight lines read next: PREFETCH_K rows of the panel ahead on its first pass,
-    the next panel's row k on a later one (a hint: values are unchanged, and past w's end it is
-    dropped)."""
-    ahead = panel + (k + PREFETCH_K) * PANEL if first_pass else panel + (k_dim + k) * PANEL
-    for line in range(0, 4 * PANEL, 64):               # PANEL floats a row: 1 or 2 cache lines
-        prefetch(w, 4 * ahead + line)
+def _prefetch_row(w, row):
+    """Ask for the cache lines of the panel row that starts at w[row] (PANEL floats: 1 or 2 lines)."""
+    for line in range(0, 4 * PANEL, 64):
+        prefetch(w, 4 * row + line)
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
+def _pass_plan(m, tile, rows, k_dim, thread_first):
+    """What the pass of rows [m, m + tile) over a panel asks for: (own, row, share, due), see
+    ``_prefetch_next``. Each pass asks for its rows' share of the next panel, so that the next
+    panel streams in while every pass multiplies, not only the first. A lone pass (the panel's
+    only one) streams its own panel instead: measured, 6% faster at 4 rows on a Zen 3 core."""
+    row = k_dim * m // rows                            # the next panel's rows [row, row + share)
+    share = k_dim * (m + tile) // rows - row
+    if share == k_dim:                                 # the lone pass
+        return True, 0, 0, 0
+    return m == 0 and thread_first, row, share, 0
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
+def _prefetch_next(w, panel, k, k_dim, own, due, row, share):
+    """The prefetches of one k of a tile's pass over a panel; returns (due, row) for the next k.
+
+    The pass asks for ``share`` rows of the next panel, starting at ``row``, spread evenly over
+    its k_dim steps (``due`` counts up by share a step and a row is asked each time it passes
+    k_dim: a division-free even spread). ``own``: the thread's first panel, which no pass
+    before it asked for, is also asked for PREFETCH_K rows ahead of the one read. A hint: the
+    values are unchanged, and past w's end it is dropped.
+    """
+    if own:
+        _prefetch_row(w, panel + (k + PREFETCH_K) * PANEL)
+    due += share
+    if due >= k_dim:
+        due -= k_dim
+        _prefetch_row(w, panel + (k_dim + row) * PANEL)
+        row += 1
+    return due, row
 
 
 @njit(fastmath=True, inline="always", cache=CACHE)
@@ -164,19 +198,20 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
     n_dim = panels * PANEL
     six_rows_end = 12 * (rows // 12) if TILE_ROWS == 6 else 0   # rows [0, end) in tiles of 6
     for c in prange(chunks):
-        for p in range(c * panels // chunks, (c + 1) * panels // chunks):
+        first_panel = c * panels // chunks
+        for p in range(first_panel, (c + 1) * panels // chunks):
             panel = p * k_dim * PANEL                 # where panel p starts in w
             m = 0
             while TILE_ROWS == 8 and m + 8 <= rows:   # a tile of 8 rows: 16 registers of sums
                 t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()   # the rows' totals
                 t4 = u4 = t5 = u5 = t6 = u6 = t7 = u7 = vzero()
                 r = m * k_dim                         # row m of x
-                first = m == 0                        # this panel's first pass
+                own, row, share, due = _pass_plan(m, 8, rows, k_dim, p == first_panel)
                 for k0 in range(0, k_dim, K_RUN):
                     a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
                     a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = vzero()
                     for k in range(k0, min(k0 + K_RUN, k_dim)):
-                        _prefetch_ahead(w, panel, k, k_dim, first)
+                        due, row = _prefetch_next(w, panel, k, k_dim, own, due, row, share)
                         lo = vload(w, panel + k * PANEL)             # w[PANEL p : PANEL p + LANES, k]
                         hi = vload(w, panel + k * PANEL + LANES)     # the next LANES features
                         a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
@@ -194,11 +229,11 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
             while m < six_rows_end:                   # a tile of 6 rows: 12 registers of sums
                 t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = t4 = u4 = t5 = u5 = vzero()
                 r = m * k_dim
-                first = m == 0
+                own, row, share, due = _pass_plan(m, 6, rows, k_dim, p == first_panel)
                 for k0 in range(0, k_dim, K_RUN):
                     a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = a4 = b4 = a5 = b5 = vzero()
                     for k in range(k0, min(k0 + K_RUN, k_dim)):
-                        _prefetch_ahead(w, panel, k, k_dim, first)
+                        due, row = _prefetch_next(w, panel, k, k_dim, own, due, row, share)
                         lo = vload(w, panel + k * PANEL)
                         hi = vload(w, panel + k * PANEL + LANES)
                         a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
@@ -215,11 +250,11 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
             while m + 4 <= rows:                      # a tile of 4 rows: 8 registers of sums
                 t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
                 r = m * k_dim
-                first = m == 0
+                own, row, share, due = _pass_plan(m, 4, rows, k_dim, p == first_panel)
                 for k0 in range(0, k_dim, K_RUN):
                     a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
                     for k in range(k0, min(k0 + K_RUN, k_dim)):
-                        _prefetch_ahead(w, panel, k, k_dim, first)
+                        due, row = _prefetch_next(w, panel, k, k_dim, own, due, row, share)
                         lo = vload(w, panel + k * PANEL)
                         hi = vload(w, panel + k * PANEL + LANES)
                         a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
