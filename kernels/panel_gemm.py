@@ -57,8 +57,8 @@ K_RUN = 128
 # while each pass multiplies, not only while the first one does. On a Zen 3 EPYC a whole step's
 # products were 12-14% faster at 8 and 16 rows than when the first pass streamed its own panel
 # and the later ones asked for the next (docs/benchmarks.md). A lone pass (4 rows, or 8 with
-# AVX-512), and a thread's first panel, which no pass before asked for, read their own panel
-# and ask for its lines this many k ahead. A single row only streams, which the CPU's prefetcher
+# AVX-512), and the first pass over a thread's first panel, which no pass before asked for,
+# read their own panel and ask for its lines this many k ahead instead. A single row only streams, which the CPU's prefetcher
 # does alone: asked there too, whole one-sequence steps were ~10% slower (23.8-25.7 against
 # 21.6-22.7 ms), so its loop asks for nothing.
 PREFETCH_K = 32
@@ -140,12 +140,14 @@ def _prefetch_next(w, panel, k, k_dim, own, due, row, share):
 
     The pass asks for ``share`` rows of the next panel, starting at ``row``, spread evenly over
     its k_dim steps (``due`` counts up by share a step and a row is asked each time it passes
-    k_dim: a division-free even spread). ``own``: the thread's first panel, which no pass
-    before it asked for, is also asked for PREFETCH_K rows ahead of the one read. A hint: the
-    values are unchanged, and past w's end it is dropped.
+    k_dim: a division-free even spread). ``own`` (a lone pass, or the first pass over a thread's
+    first panel, which no pass before asked for): the pass asks for its own panel instead,
+    PREFETCH_K rows ahead of the one it reads. A hint: the values are unchanged, and past w's
+    end it is dropped.
     """
     if own:
         _prefetch_row(w, panel + (k + PREFETCH_K) * PANEL)
+        return due, row
     due += share
     if due >= k_dim:
         due -= k_dim
