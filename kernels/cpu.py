@@ -693,8 +693,16 @@ def _vector_attention_call(q, k_cache, v_cache, plan, scale, part_acc, part_max,
     return True
 
 
-# Queries per sequence from which the two attention products go to BLAS instead.
+# Queries per sequence from which the two attention products go to BLAS instead, when the
+# sequence's context is longer than KERNEL_MAX_CONTEXT.
 BLAS_MIN_QUERIES = 32
+# A context of at most this many tokens stays with the Numba kernel whatever its queries: there
+# BLAS's products are too small to pay for their calls, the gathered copy and the separate
+# softmax pass. A whole prompt's attention of one layer, 2-core Zen 3 EPYC, alternated, BLAS
+# against the kernel: 64 tokens 0.38 against 0.18-0.24 ms, 128 0.75-1.04 against 0.62-0.74, 192
+# 1.39-1.92 against 1.31-1.57, 256 2.28-3.12 against 1.84-2.65; 384 tie (4.65-5.62 against
+# 5.04-5.58), and from 512 tokens of context BLAS wins (64 queries over 512: 1.71 against 2.11).
+KERNEL_MAX_CONTEXT = 256
 # Query rows per BLAS tile, bounding the (rows, context) score matrix. A tile's scores are
 # written by the first product, rewritten by the softmax and read by the second: 128 queries
 # (x 3 heads of a GQA group x 2048 keys: 3 MB) against 256 (6 MB) cut one layer's attention on
@@ -873,11 +881,12 @@ class AttentionPlan:
 
 
 def plan_attention(meta: AttentionMetadata, gemm=None) -> AttentionPlan:
-    """How one batch's attention splits: prompts to the BLAS path (through ``gemm``, oneMKL,
-    when given), decodes and short chunks to the Numba kernel's work items."""
+    """How one batch's attention splits: prompts and chunks over a long context to the BLAS path
+    (through ``gemm``, oneMKL, when given); decodes, short chunks and short prompts to the Numba
+    kernel's work items."""
     qsl = meta.query_start_loc
     q_lens = np.diff(qsl)                                              # (S,)
-    long_runs = q_lens >= BLAS_MIN_QUERIES
+    long_runs = (q_lens >= BLAS_MIN_QUERIES) & (meta.seq_lens > KERNEL_MAX_CONTEXT)
     blas_seqs = np.flatnonzero(long_runs)
     small = np.flatnonzero(~long_runs)
     work = attention_work_items(qsl, small)
