@@ -58,9 +58,9 @@ K_RUN = 128
 # products were 12-14% faster at 8 and 16 rows than when the first pass streamed its own panel
 # and the later ones asked for the next (docs/benchmarks.md). A lone pass (4 rows, or 8 with
 # AVX-512), and the first pass over a thread's first panel, which no pass before asked for,
-# read their own panel and ask for its lines this many k ahead instead. A single row only streams, which the CPU's prefetcher
-# does alone: asked there too, whole one-sequence steps were ~10% slower (23.8-25.7 against
-# 21.6-22.7 ms), so its loop asks for nothing.
+# read their own panel and ask for its lines this many k ahead instead. A single row only
+# streams, which the CPU's prefetcher does alone: asked there too, whole one-sequence steps were
+# ~10% slower (23.8-25.7 against 21.6-22.7 ms), so its loop asks for nothing.
 PREFETCH_K = 32
 
 
