@@ -20,8 +20,10 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from .kv_quant import (K_SCALE_CONSTANT, KV_FLOAT, KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8, V_SCALE_CONSTANT,
-                       _float_from_bits, dequantize, float_to_fp8, fp8_widen_scale, widen)
+                       dequantize, float_to_fp8, fp8_widen_scale, widen)
+from .fast_math import EXP_MAX, EXP_MIN, fast_exp  # noqa: F401  (EXP_*: the range, for callers)
 from .layout import AttentionMetadata, BlockBounds, KVQuant
+from . import prompt_attention
 from .panel_gemm import PanelWeight, pack as pack_panels
 from .simd import LANES, SIMD_CACHE, prefetch, vbroadcast, vfma, vload, vmul, vsplat, vstore, vsum, vzero
 
@@ -77,34 +79,6 @@ def _prefetch_block(cache, block):
 # A thread walks a sequence's K/V blocks once for a tile of up to QUERY_TILE
 # query tokens (times the GQA group), so each block it loads serves them all.
 QUERY_TILE = 16
-
-
-# --------------------------------------------------------------------------- exp
-
-# Numba calls the C library's expf one value at a time (~2.3 ns here: LLVM has no vector
-# exp to put in its place), which made exp the slowest part of the softmax and of SiLU.
-# ``fast_exp`` is written with + and * only, so LLVM vectorises a loop of it (~0.33 ns a
-# value on the 2-core Xeon), the way vector math libraries compute it:
-#   e^x = 2^n * e^r,  n = round(x / ln 2),  r = x - n ln 2 in [-ln2/2, ln2/2]
-# e^r from its Taylor series to r^7 (error below 1e-7 of the value), and 2^n by writing
-# n + 127 into a float's exponent bits (``kv_quant._float_from_bits``).
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)            # ln 2 split in two (Cody and Waite), so that
-_LN2_LO = np.float32(-2.12194440e-4)         # n * _LN2_HI is exact for every n used here
-EXP_MIN, EXP_MAX = np.float32(-87.0), np.float32(88.0)   # e^x stays a normal float32
-
-
-@njit(fastmath=True, inline="always", cache=True)
-def fast_exp(x):
-    """e^x for a float32 x: 0 below EXP_MIN, e^EXP_MAX above EXP_MAX, relative error < 1e-6."""
-    clamped = min(max(x, EXP_MIN), EXP_MAX)
-    n = np.floor(clamped * _LOG2E + np.float32(0.5))
-    r = clamped - n * _LN2_HI - n * _LN2_LO
-    p = np.float32(1.0 / 5040.0)
-    for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):   # Horner
-        p = p * r + np.float32(c)
-    power = _float_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))     # 2^n
-    return p * power if x >= EXP_MIN else np.float32(0.0)
 
 
 @njit(fastmath=True, cache=True)
@@ -693,16 +667,13 @@ def _vector_attention_call(q, k_cache, v_cache, plan, scale, part_acc, part_max,
     return True
 
 
-# Queries per sequence from which the two attention products go to BLAS instead, when the
-# sequence's context is longer than KERNEL_MAX_CONTEXT.
+# Queries per sequence from which attention takes the prompt path: the prompt kernel, or BLAS.
 BLAS_MIN_QUERIES = 32
-# A context of at most this many tokens stays with the Numba kernel whatever its queries: there
-# BLAS's products are too small to pay for their calls, the gathered copy and the separate
-# softmax pass. A whole prompt's attention of one layer, 2-core Zen 3 EPYC, alternated, BLAS
-# against the kernel: 64 tokens 0.38 against 0.18-0.24 ms, 128 0.75-1.04 against 0.62-0.74, 192
-# 1.39-1.92 against 1.31-1.57, 256 2.28-3.12 against 1.84-2.65; 384 tie (4.65-5.62 against
-# 5.04-5.58), and from 512 tokens of context BLAS wins (64 queries over 512: 1.71 against 2.11).
-KERNEL_MAX_CONTEXT = 256
+# Long prompts and big chunks on a float32 cache take ``kernels/prompt_attention.py`` (scores
+# in a chunk-sized scratch, products in registers) instead of the two BLAS products below,
+# unless oneMKL's products were chosen (``gemm``); quantized caches keep the BLAS path. One
+# layer's attention of a whole prompt, 2-core Zen 3 EPYC: see docs/kernels.md.
+PROMPT_KERNEL = True
 # Query rows per BLAS tile, bounding the (rows, context) score matrix. A tile's scores are
 # written by the first product, rewritten by the softmax and read by the second: 128 queries
 # (x 3 heads of a GQA group x 2048 keys: 3 MB) against 256 (6 MB) cut one layer's attention on
@@ -871,7 +842,7 @@ class AttentionPlan:
     """How one batch's attention is split, decided once per step and reused by every layer."""
 
     meta: AttentionMetadata
-    blas_seqs: np.ndarray   # (n,) sequences with long query runs: gather + two BLAS products
+    prompt_seqs: np.ndarray   # (n,) sequences with long query runs: gather + two BLAS products
     work: np.ndarray        # (W, 2) (sequence, first query row) tiles for the Numba kernel
     work_estimate: int      # picks the serial or the threaded compilation
     num_threads: int
@@ -881,20 +852,20 @@ class AttentionPlan:
 
 
 def plan_attention(meta: AttentionMetadata, gemm=None) -> AttentionPlan:
-    """How one batch's attention splits: prompts and chunks over a long context to the BLAS path
-    (through ``gemm``, oneMKL, when given); decodes, short chunks and short prompts to the Numba
-    kernel's work items."""
+    """How one batch's attention splits: prompts and big chunks to the prompt path (the prompt
+    kernel on a float32 cache, else BLAS, through ``gemm``, oneMKL, when given), decodes and
+    short chunks to the paged kernels' work items."""
     qsl = meta.query_start_loc
     q_lens = np.diff(qsl)                                              # (S,)
-    long_runs = (q_lens >= BLAS_MIN_QUERIES) & (meta.seq_lens > KERNEL_MAX_CONTEXT)
-    blas_seqs = np.flatnonzero(long_runs)
+    long_runs = q_lens >= BLAS_MIN_QUERIES
+    prompt_seqs = np.flatnonzero(long_runs)
     small = np.flatnonzero(~long_runs)
     work = attention_work_items(qsl, small)
     # work estimate for the Numba part: query tokens x longest context x 8 heads-ish
     estimate = int(q_lens[small].sum()) * int(meta.seq_lens[small].max()) * 8 if len(small) else 0
     threads = get_num_threads()
     items, merges = split_work(work, meta, threads)
-    return AttentionPlan(meta, blas_seqs, work, estimate, threads, items, merges, gemm)
+    return AttentionPlan(meta, prompt_seqs, work, estimate, threads, items, merges, gemm)
 
 
 _NO_BOUNDS = np.zeros((1, 1, 1), np.float32)   # dense attention: no page metadata
@@ -918,10 +889,16 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         bounds = None        # the budget covers every context: dense attention, by the dense kernel
     out = np.empty(q.shape, dtype=np.float32)
     qsl = meta.query_start_loc
-    for s in plan.blas_seqs:
+    prompt_kernel = (PROMPT_KERNEL and quant is None and plan.gemm is None
+                     and prompt_attention.fits(k_cache, v_cache, q.shape[2]))
+    for s in plan.prompt_seqs:
         a, b = qsl[s], qsl[s + 1]
-        _blas_attention(q[a:b], k_cache, v_cache, meta.block_tables[s], int(meta.seq_lens[s]),
-                        scale, out[a:b], quant, plan.gemm)
+        if prompt_kernel:
+            prompt_attention.prompt_attention(q[a:b], k_cache, v_cache, meta.block_tables[s],
+                                              int(meta.seq_lens[s]), scale, out[a:b], get_num_threads())
+        else:
+            _blas_attention(q[a:b], k_cache, v_cache, meta.block_tables[s], int(meta.seq_lens[s]),
+                            scale, out[a:b], quant, plan.gemm)
     if len(plan.work):
         slots = int(plan.merges[:, 3].sum()) if len(plan.merges) else 0
         rows = QUERY_TILE * q.shape[1]

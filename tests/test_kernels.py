@@ -92,19 +92,19 @@ def test_heads_scored_together_divide_the_group():
 
 @pytest.mark.parametrize("kernel", ["registers", "loops"])
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
-@pytest.mark.parametrize("path", ["numba", "blas", "mixed"])
+@pytest.mark.parametrize("path", ["numba", "blas", "prompt", "mixed"])
 def test_paged_attention_every_path(monkeypatch, kernel, threads, path):
     """Serial and threaded Numba kernels (the register kernel a float32 cache takes, and the
-    loops that quantized caches take), and the gather + BLAS path for long query
-    runs (in small query tiles, to cross tile edges), all agree with the spec."""
+    loops that quantized caches take), the prompt kernel, and the gather + BLAS path for long
+    query runs (in small query tiles, to cross tile edges), all agree with the spec."""
     monkeypatch.setattr(cpu, "VECTOR_ATTENTION", kernel == "registers")
     taken = []
     real_call = cpu._vector_attention_call
     monkeypatch.setattr(cpu, "_vector_attention_call", lambda *a: taken.append(real_call(*a)) or taken[-1])
     for threshold in ("PARALLEL_MIN_ELEMENTS", "ATTENTION_PARALLEL_MIN_WORK", "SOFTMAX_PARALLEL_MIN_ELEMENTS"):
         monkeypatch.setattr(cpu, threshold, 0 if threads == "parallel" else 1 << 62)
-    monkeypatch.setattr(cpu, "BLAS_MIN_QUERIES", {"numba": 1 << 30, "blas": 1, "mixed": 20}[path])
-    monkeypatch.setattr(cpu, "KERNEL_MAX_CONTEXT", 0)   # the BLAS path for short contexts too
+    monkeypatch.setattr(cpu, "BLAS_MIN_QUERIES", {"numba": 1 << 30, "blas": 1, "prompt": 1, "mixed": 20}[path])
+    monkeypatch.setattr(cpu, "PROMPT_KERNEL", path != "blas")
     monkeypatch.setattr(cpu, "BLAS_QUERY_TILE", 7)
     rng = np.random.default_rng(7)
     q, k_cache, v_cache, meta = random_batch(rng, block_size=16, num_heads=9, num_kv_heads=3,
@@ -113,25 +113,9 @@ def test_paged_attention_every_path(monkeypatch, kernel, threads, path):
     want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, 0.125)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
-    assert taken == ([] if path == "blas" else [kernel == "registers"])   # the kernel named ran
+    assert taken == ([] if path in ("blas", "prompt") else [kernel == "registers"])   # the kernel named ran
 
 
-
-def test_short_prompts_stay_with_the_kernel_long_contexts_go_to_blas():
-    """plan_attention's split: 32 or more queries over a context longer than KERNEL_MAX_CONTEXT
-    go to BLAS; a prompt whose context is at most that stays with the Numba kernel, as do
-    decodes and short chunks; every route gives the spec's answer."""
-    limit = cpu.KERNEL_MAX_CONTEXT
-    seqs = [(limit, limit), (40, 40), (40, limit + 40), (cpu.BLAS_MIN_QUERIES - 1, limit + 64), (1, 300)]
-    q, k_cache, v_cache, meta = random_batch(np.random.default_rng(11), block_size=16, num_heads=9,
-                                             num_kv_heads=3, head_dim=64, seqs=seqs)
-    plan = cpu.plan_attention(meta)
-    assert plan.blas_seqs.tolist() == [2]
-    assert sorted(set(plan.work[:, 0].tolist())) == [0, 1, 3, 4]
-    got = cpu.paged_attention(q, k_cache, v_cache, plan, 0.125)
-    want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                meta.query_start_loc, 0.125)
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 def test_register_attention_takes_float_pools_it_can_address():
     """The register kernel reads float32 pools whose rows of head_dim are contiguous (strided

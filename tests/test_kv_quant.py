@@ -110,13 +110,12 @@ def test_paged_attention_over_compressed_blocks_matches_spec(case):
     every_slot = np.arange(num_blocks * block_size, dtype=np.int64)
     tokens = lambda c: c.transpose(0, 2, 1, 3).reshape(-1, num_kv_heads, head_dim)   # noqa: E731
     cpu.write_kv(kc, vc, tokens(k_float), tokens(v_float), every_slot, KVQuant(fmt, ks, vs))
-    saved = cpu.BLAS_MIN_QUERIES, cpu.KERNEL_MAX_CONTEXT
+    saved = cpu.BLAS_MIN_QUERIES
     cpu.BLAS_MIN_QUERIES = 1 if path == "blas" else 1 << 30
-    cpu.KERNEL_MAX_CONTEXT = 0                                # short contexts take the BLAS path too
     try:
         got = cpu.paged_attention(q, kc, vc, meta, 1 / np.sqrt(head_dim), KVQuant(fmt, ks, vs))
     finally:
-        cpu.BLAS_MIN_QUERIES, cpu.KERNEL_MAX_CONTEXT = saved
+        cpu.BLAS_MIN_QUERIES = saved
     want = spec.paged_attention(q, spec.dequantize_kv(kc, fmt, ks), spec.dequantize_kv(vc, fmt, vs),
                                 meta.block_tables, meta.seq_lens, meta.query_start_loc, 1 / np.sqrt(head_dim))
     np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-4)

@@ -140,7 +140,7 @@ def test_prompt_attention_through_mkl_matches_the_spec(seqs):
     q, k_cache, v_cache, meta = random_batch(np.random.default_rng(len(seqs)), block_size=16, num_heads=9,
                                              num_kv_heads=3, head_dim=64, seqs=seqs)
     plan = cpu.plan_attention(meta, GEMM)
-    assert len(plan.blas_seqs) >= 1 and plan.gemm is GEMM
+    assert len(plan.prompt_seqs) >= 1 and plan.gemm is GEMM
     got = cpu.paged_attention(q, k_cache, v_cache, plan, 0.125)
     want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 0.125)

@@ -183,6 +183,16 @@ _OTHER_WIDTH_CHECK = textwrap.dedent("""
         got = cpu.paged_attention(q, k_cache, v_cache, meta, 0.125)
         want = reference.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    # the prompt kernel at this width: a 70-token prompt (three query tiles), GQA groups of 3
+    from minipaged.kernels import prompt_attention
+    k_cache, v_cache = (rng.standard_normal((7, 2, 16, 64), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((70, 6, 64), dtype=np.float32)
+    table = np.array([3, 0, 5, 1, 2], np.int32)
+    got = np.empty_like(q)
+    prompt_attention.prompt_attention(q, k_cache, v_cache, table, 70, 0.125, got, 2)
+    want = reference.paged_attention(q, k_cache, v_cache, table[None], np.array([70], np.int32),
+                                     np.array([0, 70], np.int32), 0.125)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     print(LANES, PANEL, TILE_ROWS)
 """)
 
@@ -199,4 +209,5 @@ def test_panel_products_match_the_spec_at_either_register_width(lanes, tmp_path)
     want = {"8": "8 16 6", "16": "16 32 8"}[lanes]
     assert done.stdout.split("\n")[-2] == want
     cached = [path.name for path in tmp_path.rglob("*.nbi")]          # index files of cached kernels
-    assert not [name for name in cached if "panel" in name or "vector_attention" in name], cached
+    assert not [name for name in cached if "panel" in name or "vector_attention" in name
+                or "prompt_attention" in name], cached

@@ -138,24 +138,25 @@ assert np.allclose(out_moved, out, atol=1e-6)
 
 print("\n9. Inside the Numba CPU kernel: how one call splits its work")
 # kernels/cpu.py plans once per step (every layer reuses the plan): sequences with many query
-# rows over a long context (long prompts, big chunks) gather their blocks and use two BLAS
-# products; the rest (decodes, short chunks, short prompts) go to the Numba kernel in tiles of up to QUERY_TILE query rows of one sequence, so a
-# thread walks each K/V block once for the whole tile. Tiles run in parallel (prange).
+# rows (prompts, big chunks) go to the prompt kernel (kernels/prompt_attention.py: a tile of 32
+# queries walks the blocks once, its scores in a small scratch; a compressed cache gathers its
+# blocks for two BLAS products instead); the rest (decodes, short chunks) go to the Numba
+# kernel in tiles of up to QUERY_TILE query rows of one sequence, so a thread walks each K/V
+# block once for the whole tile. Tiles run in parallel (prange).
 plan = cpu.plan_attention(meta)
-print(f"  this batch: BLAS sequences {plan.blas_seqs.tolist()}, Numba tiles (sequence, first row) "
+print(f"  this batch: prompt-path sequences {plan.prompt_seqs.tolist()}, Numba tiles (sequence, first row) "
       f"{plan.work.tolist()}")
-assert plan.blas_seqs.tolist() == [] and plan.work.tolist() == [[0, 0], [1, 6]]
-long_q = [40, 40, 1, 1]   # a 40-token chunk of a 340-token prompt, a 40-token prompt, two decodes
+assert plan.prompt_seqs.tolist() == [] and plan.work.tolist() == [[0, 0], [1, 6]]
+long_q = [40, 1, 1]           # a 40-token prompt next to two decodes (planning needs no data)
 big_meta = AttentionMetadata(
     slot_mapping=np.zeros(sum(long_q), np.int64),
     query_start_loc=np.concatenate([[0], np.cumsum(long_q)]).astype(np.int32),
-    seq_lens=np.array([340, 40, 30, 50], np.int32), block_tables=np.zeros((4, 22), np.int32),
-    max_query_len=40, max_seq_len=340)
-big_plan = cpu.plan_attention(big_meta)   # (planning needs no data)
-print(f"  a 40-token chunk over 340 tokens, a 40-token prompt, 2 decodes: BLAS sequences "
-      f"{big_plan.blas_seqs.tolist()} (>= {cpu.BLAS_MIN_QUERIES} query rows over more than "
-      f"{cpu.KERNEL_MAX_CONTEXT} tokens), Numba tiles {big_plan.work.tolist()}")
-assert big_plan.blas_seqs.tolist() == [0] and big_plan.work[:, 0].tolist() == [1, 1, 1, 2, 3]
+    seq_lens=np.array([40, 30, 50], np.int32), block_tables=np.zeros((3, 13), np.int32),
+    max_query_len=40, max_seq_len=50)
+big_plan = cpu.plan_attention(big_meta)
+print(f"  a 40-token prompt + 2 decodes: prompt-path sequences {big_plan.prompt_seqs.tolist()} "
+      f"(>= {cpu.BLAS_MIN_QUERIES} query rows), Numba tiles {big_plan.work.tolist()}")
+assert big_plan.prompt_seqs.tolist() == [0] and big_plan.work[:, 0].tolist() == [1, 2]
 
 print("\n10. The CUDA C kernel: read it")
 source = (Path(cuda.__file__).parent / "paged_attention.cu").read_text()
