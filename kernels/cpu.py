@@ -21,7 +21,7 @@ from numba import get_num_threads, njit, prange
 
 from .kv_quant import (K_SCALE_CONSTANT, KV_FLOAT, KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8, V_SCALE_CONSTANT,
                        dequantize, float_to_fp8, fp8_widen_scale, widen)
-from .fast_math import EXP_MAX, EXP_MIN, fast_exp  # noqa: F401  (EXP_*: the range, for callers)
+from .fast_math import fast_exp
 from .layout import AttentionMetadata, BlockBounds, KVQuant
 from . import prompt_attention
 from .panel_gemm import PanelWeight, pack as pack_panels
@@ -842,7 +842,7 @@ class AttentionPlan:
     """How one batch's attention is split, decided once per step and reused by every layer."""
 
     meta: AttentionMetadata
-    prompt_seqs: np.ndarray   # (n,) sequences with long query runs: gather + two BLAS products
+    prompt_seqs: np.ndarray   # (n,) sequences with long query runs: the prompt kernel, or BLAS
     work: np.ndarray        # (W, 2) (sequence, first query row) tiles for the Numba kernel
     work_estimate: int      # picks the serial or the threaded compilation
     num_threads: int

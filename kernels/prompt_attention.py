@@ -21,8 +21,8 @@ way FlashAttention does:
 - the rows' sums are divided by their softmax totals at the end.
 
 Spec: ``kernels/reference.py`` ``paged_attention`` (``tests/test_prompt_attention.py``).
-A float32 pool whose K and V share strides, with unit stride along head_dim, and head_dim a
-multiple of PANEL, takes this kernel (``fits``); anything else stays with BLAS.
+Plain (C-contiguous) float32 pools of one shape, with head_dim a multiple of PANEL, take this
+kernel (``fits``); anything else stays with BLAS.
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ ROW_MULTIPLE = 6 * PANEL // math.gcd(6, PANEL)   # rows padded to tiles of 6 and
 
 
 def fits(k_cache: np.ndarray, v_cache: np.ndarray, head_dim: int) -> bool:
-    """Whether this kernel can read the pools: float32, unit stride along head_dim, K and V laid
-    out alike, head_dim a multiple of PANEL."""
+    """Whether this kernel can read the pools: plain (C-contiguous) float32 arrays of one shape,
+    head_dim a multiple of PANEL."""
     return (k_cache.dtype == np.float32 and v_cache.dtype == np.float32 and head_dim % PANEL == 0
-            and k_cache.strides == v_cache.strides and k_cache.strides[-1] == 4
-            and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous)
+            and k_cache.shape == v_cache.shape and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous)
 
 
 def prompt_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
