@@ -49,9 +49,10 @@ LIGHT_PARALLEL_MIN_ELEMENTS = 1 << 21
 SILU_PARALLEL_MIN_ELEMENTS = 1 << 13
 
 
-def two_ways(fn, min_work: str = "PARALLEL_MIN_ELEMENTS", cache: bool = True):
+def two_ways(fn, min_work: str = "PARALLEL_MIN_ELEMENTS", cache: bool = True, fastmath: bool = True):
     """Compile ``fn`` twice: serial (prange acts as range) and across threads (each cached on disk
     when ``cache``), picked by a work size against the module threshold named ``min_work``.
+    ``fastmath=False`` keeps IEEE arithmetic (write_kv's int8 scales must round as the spec's).
 
     The serial copy gets its own name: Numba's on-disk cache is keyed by the
     function's qualified name and signature, not by the ``parallel`` flag, so
@@ -60,8 +61,8 @@ def two_ways(fn, min_work: str = "PARALLEL_MIN_ELEMENTS", cache: bool = True):
     twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial",
                               fn.__defaults__, fn.__closure__)
     twin.__qualname__ = fn.__qualname__ + "_serial"
-    serial = njit(fastmath=True, cache=cache)(twin)
-    parallel = njit(fastmath=True, cache=cache, parallel=True)(fn)
+    serial = njit(fastmath=fastmath, cache=cache)(twin)
+    parallel = njit(fastmath=fastmath, cache=cache, parallel=True)(fn)
     return lambda work: parallel if work >= globals()[min_work] else serial   # the threshold named
 
 # --------------------------------------------------------------------------- prefetch
@@ -117,10 +118,16 @@ def _quantize_vector(x, out, fmt, scales, block, head, offset):
             out[d] = float_to_fp8(np.float32(x[d] / layer_scale), fmt)
 
 
-@njit(cache=True)
+# Tokens from which write_kv splits its copies over the threads (each token's slots are its
+# own). 64 decodes, 30 layers, scattered blocks: 22 against 12 us a layer; a 2048-token prompt:
+# 405 against 195 us (2-core AMD EPYC, Zen 3). 16 tokens: a tie.
+WRITE_KV_PARALLEL_MIN_TOKENS = 32
+
+
+@partial(two_ways, min_work="WRITE_KV_PARALLEL_MIN_TOKENS", fastmath=False)
 def _write_kv(k_cache, v_cache, k, v, slot_mapping, fmt, k_scale, v_scale):
     block_size = k_cache.shape[2]
-    for t in range(slot_mapping.shape[0]):
+    for t in prange(slot_mapping.shape[0]):
         slot = slot_mapping[t]
         if slot < 0:
             continue
@@ -174,10 +181,11 @@ def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndar
     keeping each block's key min / max (block-sparse attention's page metadata)."""
     if bounds is not None:
         _update_key_bounds(k, slot_mapping, k_cache.shape[2], bounds.key_min, bounds.key_max)
+    kernel = _write_kv(slot_mapping.shape[0])
     if quant is None:
-        _write_kv(k_cache, v_cache, k, v, slot_mapping, KV_FLOAT, _NO_SCALES, _NO_SCALES)
+        kernel(k_cache, v_cache, k, v, slot_mapping, KV_FLOAT, _NO_SCALES, _NO_SCALES)
     else:
-        _write_kv(k_cache, v_cache, k, v, slot_mapping, quant.fmt, quant.k_scale, quant.v_scale)
+        kernel(k_cache, v_cache, k, v, slot_mapping, quant.fmt, quant.k_scale, quant.v_scale)
 
 
 # --------------------------------------------------------------------------- block copies (DMA)
@@ -446,13 +454,23 @@ _paged_attention = {(fmt, heads): two_ways(_specialize(_paged_attention_body, KV
 # A float32 cache is read by the kernel below, which names its vector registers (kernels/simd.py)
 # instead of leaving the head_dim loops to LLVM: a key's dot products with the HEADS queries
 # of its group are HEADS registers of sums, added across lanes once per key, and p x v keeps
-# the HEADS rows' accumulators for 4 x LANES of head_dim in registers across the whole block,
-# where the loop above loads and stores them for every key. While it works on a block, it asks
-# for the next block's K and V a few lines per key. At 64 decodes of 264 tokens, all 30 layers:
-# 30-32 ms a step against 37-40 (2-core AMD EPYC, Zen 3, docs/benchmarks.md). Quantized caches,
-# head_dim that is not a multiple of LANES, and pools it cannot address as a flat window (head_dim
-# strided, negative strides, K and V laid out differently) use the loop above.
+# the HEADS rows' accumulators for 4 x LANES of head_dim in registers across a whole block,
+# where the loop above loads and stores them for every key. While it scores a block, it asks
+# for the next block's K and V a few lines per key. At 64 decodes of 264 tokens, all 30
+# layers: 30-32 ms a step against 37-40 (2-core AMD EPYC, Zen 3, docs/benchmarks.md). Quantized
+# caches, head_dim that is not a multiple of LANES, and pools it cannot address as a flat window
+# (head_dim strided, negative strides, K and V laid out differently) use the loop above.
 VECTOR_ATTENTION = True
+
+# Keys the register kernel scores before one softmax step over them all (rounded down to whole
+# blocks, at least one). Block by block, the running max, the rescaling of the p x v sums and
+# the softmax's short loops (16 values, where LLVM's unrolled vector loops want more and left
+# them to their scalar remainder) came back every 16 keys; a chunk pays them once per 256. One
+# thread, one sequence of 4,096 keys, all in L1: 31-34 ns a key and KV head before, 19-21 after;
+# 16 sequences of 5 queries (speculative decoding's verification), 30 layers: 30-34 ms against
+# 26-27; tiles of 16 queries: 44-45 against 36-38. Plain decodes read their K/V from memory,
+# which bounds both: the same time (2-core AMD EPYC, Zen 3). Scratch: num_heads x 256 floats.
+SCORE_CHUNK = 256
 
 
 @njit(fastmath=True, inline="always", cache=SIMD_CACHE)
@@ -467,9 +485,28 @@ def _three_fmas(heads, p0, p1, p2, value, a, b, c):
 
 
 @njit(fastmath=True, inline="always", cache=SIMD_CACHE)
-def _scaled_chunk(acc, at, scale):
-    """The register acc[at : at + LANES] times the register ``scale``."""
-    return vmul(vload(acc, at), scale)
+def _softmax_chunk(row, n, row_max, row_sum, r):
+    """The online softmax over a chunk: row[:n] holds row r's scores for the chunk's keys (-inf
+    where the row does not read a key) and gets their e^(s - new max); row_max[r] and
+    row_sum[r] are brought up to date. Returns the factor the row's running p * v sums must be
+    scaled by (1 when the chunk holds no key the row reads)."""
+    new_max = row_max[r]
+    for o in range(n):
+        new_max = max(new_max, row[o])
+    if not new_max > np.float32(-1e30):      # -inf: nothing read yet (no test against inf,
+        # which fastmath may fold away): p = 0 for every key
+        for o in range(n):
+            row[o] = 0.0
+        return np.float32(1.0)
+    correction = fast_exp(row_max[r] - new_max)
+    total = np.float32(0.0)
+    for o in range(n):                       # the chunk's exps, vectorised
+        row[o] = fast_exp(row[o] - new_max)
+    for o in range(n):
+        total += row[o]
+    row_sum[r] = row_sum[r] * correction + total
+    row_max[r] = new_max
+    return correction
 
 
 def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_stride, block_size,
@@ -478,21 +515,27 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
     """``_paged_attention_body`` for a float32 cache, in registers. k_flat / v_flat: the pools'
     memory as flat float32 windows, element (block, head, token, d) at block * block_stride +
     head * head_stride + token * token_stride + d. The work items, and block-sparse decode's
-    choice of blocks (``keep`` > 0), are the same."""
+    choice of blocks (``keep`` > 0), are the same. A work item walks its context a chunk of
+    SCORE_CHUNK keys at a time, in the textbook's three steps: (1) the chunk's scores, (2) one
+    online softmax step over the whole chunk, (3) p x v. Steps 1 and 3 each go block by block,
+    a block's KV heads in turn, so that each reads the block's K (then V) as one run of memory;
+    step 1 asks for the next block's K, step 3 for the next block's V, so that memory streams
+    through both."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
     heads = HEADS_TOGETHER                      # 1 to 3: a constant of each compiled copy
     quad = 4 * LANES                            # head_dim a register quad covers
     quads_end = quad * (head_dim // quad)
+    chunk_blocks = max(1, SCORE_CHUNK // block_size)
+    span = chunk_blocks * block_size            # keys a chunk holds
     for tid in prange(num_threads):
-        # a thread's scratch, flat (rows x head_dim): scaled queries, running sums of p * v
         queries = np.empty((QUERY_TILE * num_heads, head_dim), np.float32)   # (rows, head_dim)
         qs = queries.reshape(-1)                                            # the same, flat
         sums = np.empty((QUERY_TILE * num_heads, head_dim), np.float32)      # (rows, head_dim) of p * v
         acc = sums.reshape(-1)                                              # the same, flat
         row_max = np.empty(QUERY_TILE * num_heads, np.float32)
         row_sum = np.empty(QUERY_TILE * num_heads, np.float32)
-        scores = np.empty(3 * block_size, np.float32)    # a block's scores, then p, for each head
+        scores = np.empty(num_heads * span, np.float32)   # (num_heads, span): a query's scores, then p
         for w in range(tid, work.shape[0], num_threads):
             s, t0, t1, first_block, end_block, slot, first_pos, last_pos = _work_item(
                 work, w, QUERY_TILE, block_size, query_start_loc, seq_lens)
@@ -504,116 +547,161 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
                     qs[r * head_dim + d] = q[t0 + r // num_heads, r % num_heads, d] * scale
                     acc[r * head_dim + d] = 0.0
             num_ctx_blocks = last_pos // block_size + 1
-            # Block-sparse decode (Quest): as in the loop kernel, a decoding head reads only the
-            # `keep` blocks whose keys could score highest, always the first and the last.
             sparse = keep > 0 and query_start_loc[s + 1] - query_start_loc[s] == 1 and num_ctx_blocks > keep
             chosen = _choose_blocks(queries[:rows], key_min, key_max, block_tables[s], num_ctx_blocks,
                                     keep, num_heads, group) if sparse else _ALL_BLOCKS
             last_block = min(end_block, num_ctx_blocks)
-            for j in range(first_block, last_block):
-                block = block_tables[s, j]
-                ahead = 0                                   # no next block, or no telling which
-                if j + 1 < last_block and not sparse:
-                    ahead = (block_tables[s, j + 1] - block) * block_stride
+            for c0 in range(first_block, last_block, chunk_blocks):
+                c1 = min(c0 + chunk_blocks, last_block)
                 for qi in range(t1 - t0):
-                    valid = min(block_size, first_pos + qi - j * block_size + 1)   # causal
-                    if valid <= 0:
+                    # the chunk's keys this query reads: a prefix of the chunk (causal)
+                    n_keys = min(c1 * block_size, first_pos + qi + 1) - c0 * block_size
+                    if n_keys <= 0:
                         continue
-                    for kv_head in range(num_kv_heads):
-                        base = block * block_stride + kv_head * head_stride     # the head's tile
-                        for g0 in range(0, group, heads):
-                            r0 = qi * num_heads + kv_head * group + g0   # rows r0 .. r0 + heads - 1
-                            if sparse and not _any_chosen(chosen, r0, heads, j):
-                                continue                 # no head of the group keeps block j
-                            q0 = r0 * head_dim                           # where row r0's queries start
-                            q1, q2 = q0 + head_dim, q0 + 2 * head_dim
-                            for o in range(valid):               # the block's scores, key by key
-                                key_at = base + o * token_stride
-                                if ahead != 0 and qi == 0 and g0 == 0:   # the next block, once, a line at a time
-                                    for line in range(0, head_dim, 16):
-                                        prefetch(k_flat, 4 * (key_at + ahead + line))
-                                        prefetch(v_flat, 4 * (key_at + ahead + line))
-                                a0 = a1 = a2 = vzero()
-                                for c in range(0, head_dim, LANES):
-                                    key = vload(k_flat, key_at + c)
-                                    a0 = vfma(vload(qs, q0 + c), key, a0)
-                                    if heads > 1:
-                                        a1 = vfma(vload(qs, q1 + c), key, a1)
-                                    if heads > 2:
-                                        a2 = vfma(vload(qs, q2 + c), key, a2)
-                                scores[o] = vsum(a0)
-                                if heads > 1:
-                                    scores[block_size + o] = vsum(a1)
-                                if heads > 2:
-                                    scores[2 * block_size + o] = vsum(a2)
-                            # each head's online softmax; its factor scales the sums as they load
-                            c0 = c1 = c2 = np.float32(1.0)
-                            for g in range(heads):
-                                correction = _softmax_block(scores[g * block_size:], valid, row_max, row_sum,
-                                                            r0 + g, sparse and not chosen[r0 + g, j])
-                                if g == 0:
-                                    c0 = correction
-                                elif g == 1:
-                                    c1 = correction
-                                else:
-                                    c2 = correction
-                            s0, s1, s2 = vsplat(c0), vsplat(c1), vsplat(c2)
-                            # p * v: 4 registers of head_dim for each head, summed over the block
-                            for c in range(0, quads_end, quad):
-                                e0 = _scaled_chunk(acc, q0 + c, s0)
-                                e1 = _scaled_chunk(acc, q0 + c + LANES, s0)
-                                e2 = _scaled_chunk(acc, q0 + c + 2 * LANES, s0)
-                                e3 = _scaled_chunk(acc, q0 + c + 3 * LANES, s0)
-                                f0 = f1 = f2 = f3 = h0 = h1 = h2 = h3 = vzero()
-                                if heads > 1:
-                                    f0 = _scaled_chunk(acc, q1 + c, s1)
-                                    f1 = _scaled_chunk(acc, q1 + c + LANES, s1)
-                                    f2 = _scaled_chunk(acc, q1 + c + 2 * LANES, s1)
-                                    f3 = _scaled_chunk(acc, q1 + c + 3 * LANES, s1)
-                                if heads > 2:
-                                    h0 = _scaled_chunk(acc, q2 + c, s2)
-                                    h1 = _scaled_chunk(acc, q2 + c + LANES, s2)
-                                    h2 = _scaled_chunk(acc, q2 + c + 2 * LANES, s2)
-                                    h3 = _scaled_chunk(acc, q2 + c + 3 * LANES, s2)
+                    rq = qi * num_heads                  # the query's first row
+                    # 1. the chunk's scores, block by block; a block's KV heads in turn (its K is
+                    #    one run of memory), each key against the group's heads
+                    for j in range(c0, c1):
+                        o0 = (j - c0) * block_size       # block j's first key in the chunk
+                        valid = min(block_size, n_keys - o0)
+                        if valid <= 0:
+                            break
+                        block = block_tables[s, j]
+                        ahead = 0                        # no next block, or no telling which
+                        if j + 1 < last_block and not sparse:
+                            ahead = (block_tables[s, j + 1] - block) * block_stride
+                        for kv_head in range(num_kv_heads):
+                            base = block * block_stride + kv_head * head_stride     # the head's tile
+                            for g0 in range(0, group, heads):
+                                h = kv_head * group + g0         # heads h .. h + heads - 1
+                                r0 = rq + h                      # their rows
+                                at = h * span + o0               # where their scores go
+                                if sparse and not _any_chosen(chosen, r0, heads, j):
+                                    for g in range(heads):       # no head of the group reads block j
+                                        for o in range(valid):
+                                            scores[at + g * span + o] = -np.inf
+                                    continue
+                                q0 = r0 * head_dim               # where row r0's queries start
+                                q1, q2 = q0 + head_dim, q0 + 2 * head_dim
                                 for o in range(valid):
-                                    # the heads' p first, then one value register at a time:
-                                    # 12 sums + 3 p + 1 value = AVX2's 16 registers, none spilled
-                                    at = base + o * token_stride + c
-                                    p0 = vbroadcast(scores, o)
-                                    p1 = vbroadcast(scores, block_size + o) if heads > 1 else p0
-                                    p2 = vbroadcast(scores, 2 * block_size + o) if heads > 2 else p0
-                                    value = vload(v_flat, at)
-                                    e0, f0, h0 = _three_fmas(heads, p0, p1, p2, value, e0, f0, h0)
-                                    value = vload(v_flat, at + LANES)
-                                    e1, f1, h1 = _three_fmas(heads, p0, p1, p2, value, e1, f1, h1)
-                                    value = vload(v_flat, at + 2 * LANES)
-                                    e2, f2, h2 = _three_fmas(heads, p0, p1, p2, value, e2, f2, h2)
-                                    value = vload(v_flat, at + 3 * LANES)
-                                    e3, f3, h3 = _three_fmas(heads, p0, p1, p2, value, e3, f3, h3)
-                                vstore(acc, q0 + c, e0); vstore(acc, q0 + c + LANES, e1)                 # noqa: E702
-                                vstore(acc, q0 + c + 2 * LANES, e2); vstore(acc, q0 + c + 3 * LANES, e3)  # noqa: E702
-                                if heads > 1:
-                                    vstore(acc, q1 + c, f0); vstore(acc, q1 + c + LANES, f1)                 # noqa: E702
-                                    vstore(acc, q1 + c + 2 * LANES, f2); vstore(acc, q1 + c + 3 * LANES, f3)  # noqa: E702
-                                if heads > 2:
-                                    vstore(acc, q2 + c, h0); vstore(acc, q2 + c + LANES, h1)                 # noqa: E702
-                                    vstore(acc, q2 + c + 2 * LANES, h2); vstore(acc, q2 + c + 3 * LANES, h3)  # noqa: E702
-                            for c in range(quads_end, head_dim, LANES):   # what is left, a register at a time
-                                e0 = _scaled_chunk(acc, q0 + c, s0)
-                                f0 = _scaled_chunk(acc, q1 + c, s1) if heads > 1 else vzero()
-                                h0 = _scaled_chunk(acc, q2 + c, s2) if heads > 2 else vzero()
-                                for o in range(valid):
-                                    v0 = vload(v_flat, base + o * token_stride + c)
-                                    e0 = vfma(vbroadcast(scores, o), v0, e0)
+                                    key_at = base + o * token_stride
+                                    if ahead != 0 and qi == 0 and g0 == 0:   # the next block's K, a line at a time
+                                        for line in range(0, head_dim, 16):
+                                            prefetch(k_flat, 4 * (key_at + ahead + line))
+                                    if j + 1 == c1 and qi == 0 and g0 == 0:  # the chunk's first V, for step 3
+                                        first_v = key_at + (block_tables[s, c0] - block) * block_stride
+                                        for line in range(0, head_dim, 16):
+                                            prefetch(v_flat, 4 * (first_v + line))
+                                    a0 = a1 = a2 = vzero()
+                                    for c in range(0, head_dim, LANES):
+                                        key = vload(k_flat, key_at + c)
+                                        a0 = vfma(vload(qs, q0 + c), key, a0)
+                                        if heads > 1:
+                                            a1 = vfma(vload(qs, q1 + c), key, a1)
+                                        if heads > 2:
+                                            a2 = vfma(vload(qs, q2 + c), key, a2)
+                                    scores[at + o] = vsum(a0)
                                     if heads > 1:
-                                        f0 = vfma(vbroadcast(scores, block_size + o), v0, f0)
+                                        scores[at + span + o] = vsum(a1)
                                     if heads > 2:
-                                        h0 = vfma(vbroadcast(scores, 2 * block_size + o), v0, h0)
-                                vstore(acc, q0 + c, e0)
-                                if heads > 1:
-                                    vstore(acc, q1 + c, f0)
-                                if heads > 2:
-                                    vstore(acc, q2 + c, h0)
+                                        scores[at + 2 * span + o] = vsum(a2)
+                                if sparse:                       # the group's heads that skip it
+                                    for g in range(heads):
+                                        if not chosen[r0 + g, j]:
+                                            for o in range(valid):
+                                                scores[at + g * span + o] = -np.inf
+                    # 2. each row's online softmax step over the whole chunk; its sums rescaled
+                    for h in range(num_heads):
+                        correction = _softmax_chunk(scores[h * span:], n_keys, row_max, row_sum, rq + h)
+                        if correction != np.float32(1.0):
+                            factor = vsplat(correction)
+                            for c in range(0, head_dim, LANES):
+                                at = (rq + h) * head_dim + c
+                                vstore(acc, at, vmul(vload(acc, at), factor))
+                    # 3. p * v, block by block; a block's KV heads in turn (its V is one run of
+                    #    memory), 4 registers of head_dim for each of the group's heads
+                    for j in range(c0, c1):
+                        o0 = (j - c0) * block_size
+                        valid = min(block_size, n_keys - o0)
+                        if valid <= 0:
+                            break
+                        block = block_tables[s, j]
+                        v_ahead = 0                      # the next block's V, or the next chunk's first K
+                        if j + 1 < c1 and not sparse:
+                            v_ahead = (block_tables[s, j + 1] - block) * block_stride
+                        for kv_head in range(num_kv_heads):
+                            tile = kv_head * head_stride         # the head's tile in a block
+                            if qi == 0 and v_ahead != 0:
+                                for line in range(0, block_size * token_stride, 16):
+                                    prefetch(v_flat, 4 * (block * block_stride + tile + v_ahead + line))
+                            elif qi == 0 and j + 1 == c1 and c1 < last_block:
+                                for line in range(0, block_size * token_stride, 16):
+                                    prefetch(k_flat, 4 * (block_tables[s, c1] * block_stride + tile + line))
+                            for g0 in range(0, group, heads):
+                                h = kv_head * group + g0
+                                r0 = rq + h
+                                if sparse and not _any_chosen(chosen, r0, heads, j):
+                                    continue
+                                q0 = r0 * head_dim
+                                q1, q2 = q0 + head_dim, q0 + 2 * head_dim
+                                p0_at = h * span + o0            # the heads' p for block j
+                                p1_at, p2_at = p0_at + span, p0_at + 2 * span
+                                base = block * block_stride + kv_head * head_stride
+                                for c in range(0, quads_end, quad):
+                                    e0 = vload(acc, q0 + c)
+                                    e1 = vload(acc, q0 + c + LANES)
+                                    e2 = vload(acc, q0 + c + 2 * LANES)
+                                    e3 = vload(acc, q0 + c + 3 * LANES)
+                                    f0 = f1 = f2 = f3 = h0 = h1 = h2 = h3 = vzero()
+                                    if heads > 1:
+                                        f0 = vload(acc, q1 + c)
+                                        f1 = vload(acc, q1 + c + LANES)
+                                        f2 = vload(acc, q1 + c + 2 * LANES)
+                                        f3 = vload(acc, q1 + c + 3 * LANES)
+                                    if heads > 2:
+                                        h0 = vload(acc, q2 + c)
+                                        h1 = vload(acc, q2 + c + LANES)
+                                        h2 = vload(acc, q2 + c + 2 * LANES)
+                                        h3 = vload(acc, q2 + c + 3 * LANES)
+                                    for o in range(valid):
+                                        # the heads' p first, then one value register at a time:
+                                        # 12 sums + 3 p + 1 value = AVX2's 16 registers, none spilled
+                                        at = base + o * token_stride + c
+                                        p0 = vbroadcast(scores, p0_at + o)
+                                        p1 = vbroadcast(scores, p1_at + o) if heads > 1 else p0
+                                        p2 = vbroadcast(scores, p2_at + o) if heads > 2 else p0
+                                        value = vload(v_flat, at)
+                                        e0, f0, h0 = _three_fmas(heads, p0, p1, p2, value, e0, f0, h0)
+                                        value = vload(v_flat, at + LANES)
+                                        e1, f1, h1 = _three_fmas(heads, p0, p1, p2, value, e1, f1, h1)
+                                        value = vload(v_flat, at + 2 * LANES)
+                                        e2, f2, h2 = _three_fmas(heads, p0, p1, p2, value, e2, f2, h2)
+                                        value = vload(v_flat, at + 3 * LANES)
+                                        e3, f3, h3 = _three_fmas(heads, p0, p1, p2, value, e3, f3, h3)
+                                    vstore(acc, q0 + c, e0); vstore(acc, q0 + c + LANES, e1)                 # noqa: E702
+                                    vstore(acc, q0 + c + 2 * LANES, e2); vstore(acc, q0 + c + 3 * LANES, e3)  # noqa: E702
+                                    if heads > 1:
+                                        vstore(acc, q1 + c, f0); vstore(acc, q1 + c + LANES, f1)                 # noqa: E702
+                                        vstore(acc, q1 + c + 2 * LANES, f2); vstore(acc, q1 + c + 3 * LANES, f3)  # noqa: E702
+                                    if heads > 2:
+                                        vstore(acc, q2 + c, h0); vstore(acc, q2 + c + LANES, h1)                 # noqa: E702
+                                        vstore(acc, q2 + c + 2 * LANES, h2); vstore(acc, q2 + c + 3 * LANES, h3)  # noqa: E702
+                                for c in range(quads_end, head_dim, LANES):   # what is left, a register at a time
+                                    e0 = vload(acc, q0 + c)
+                                    f0 = vload(acc, q1 + c) if heads > 1 else vzero()
+                                    h0 = vload(acc, q2 + c) if heads > 2 else vzero()
+                                    for o in range(valid):
+                                        v0 = vload(v_flat, base + o * token_stride + c)
+                                        e0 = vfma(vbroadcast(scores, p0_at + o), v0, e0)
+                                        if heads > 1:
+                                            f0 = vfma(vbroadcast(scores, p1_at + o), v0, f0)
+                                        if heads > 2:
+                                            h0 = vfma(vbroadcast(scores, p2_at + o), v0, h0)
+                                    vstore(acc, q0 + c, e0)
+                                    if heads > 1:
+                                        vstore(acc, q1 + c, f0)
+                                    if heads > 2:
+                                        vstore(acc, q2 + c, h0)
             _finish_item(sums, row_max, row_sum, rows, t0, slot, np.float32(1.0), part_acc, part_max, part_sum, out)
 
 
@@ -869,6 +957,7 @@ def plan_attention(meta: AttentionMetadata, gemm=None) -> AttentionPlan:
 
 
 _NO_BOUNDS = np.zeros((1, 1, 1), np.float32)   # dense attention: no page metadata
+_NO_PARTS = (np.empty((0, 1, 1), np.float32), np.empty((0, 1), np.float32), np.empty((0, 1), np.float32))
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
@@ -889,7 +978,7 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         bounds = None        # the budget covers every context: dense attention, by the dense kernel
     out = np.empty(q.shape, dtype=np.float32)
     qsl = meta.query_start_loc
-    prompt_kernel = (PROMPT_KERNEL and quant is None and plan.gemm is None
+    prompt_kernel = (len(plan.prompt_seqs) and PROMPT_KERNEL and quant is None and plan.gemm is None
                      and prompt_attention.fits(k_cache, v_cache, q.shape[2]))
     for s in plan.prompt_seqs:
         a, b = qsl[s], qsl[s + 1]
@@ -901,10 +990,13 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                             scale, out[a:b], quant, plan.gemm)
     if len(plan.work):
         slots = int(plan.merges[:, 3].sum()) if len(plan.merges) else 0
-        rows = QUERY_TILE * q.shape[1]
-        part_acc = np.empty((slots, rows, q.shape[2]), np.float32)          # (slots, rows, head_dim)
-        part_max = np.empty((slots, rows), np.float32)
-        part_sum = np.empty((slots, rows), np.float32)
+        if slots:                    # split-K slices: their partial sums, for _merge_partials
+            rows = QUERY_TILE * q.shape[1]
+            part_acc = np.empty((slots, rows, q.shape[2]), np.float32)      # (slots, rows, head_dim)
+            part_max = np.empty((slots, rows), np.float32)                  # (slots, rows)
+            part_sum = np.empty((slots, rows), np.float32)                  # (slots, rows)
+        else:                        # whole tiles only: the kernels never touch these
+            part_acc, part_max, part_sum = _NO_PARTS
         if quant is not None or not _vector_attention_call(
                 q, k_cache, v_cache, plan, scale, part_acc, part_max, part_sum, out, bounds):
             fmt, k_scale, v_scale = ((KV_FLOAT, _NO_SCALES, _NO_SCALES) if quant is None

@@ -151,6 +151,31 @@ def test_register_attention_takes_float_pools_it_can_address():
                                                     meta2.query_start_loc, 0.1), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [1, 16, 64, 512])
+@pytest.mark.parametrize("split", [False, True])
+def test_register_attention_walks_long_contexts_in_chunks(monkeypatch, block_size, split):
+    """Contexts of several SCORE_CHUNKs (a block of 512 is a chunk of its own): the online softmax
+    carries its max and sums from chunk to chunk, a tile of queries reads a causal prefix of each
+    chunk, and split-K slices start and end inside the context. The spec agrees."""
+    assert 700 > 2 * cpu.SCORE_CHUNK
+    if split and cpu.get_num_threads() < 2:
+        pytest.skip("split-K slices a context over two or more threads")
+    monkeypatch.setattr(cpu, "SPLIT_MIN_TOKENS", 64 if split else 1 << 30)
+    q, k_cache, v_cache, meta = random_batch(np.random.default_rng(block_size), block_size=block_size,
+                                             num_heads=9, num_kv_heads=3, head_dim=64,
+                                             seqs=[(1, 700), (5, 600), (1, 257)] if not split else [(1, 700)])
+    taken = []
+    real_call = cpu._vector_attention_call
+    monkeypatch.setattr(cpu, "_vector_attention_call", lambda *a: taken.append(real_call(*a)) or taken[-1])
+    plan = cpu.plan_attention(meta)
+    assert len(plan.merges) == (1 if split else 0)
+    got = cpu.paged_attention(q, k_cache, v_cache, plan, 0.125)
+    want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, 0.125)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    assert taken == [True]
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.sampled_from([1, 4, 16, 64]), st.integers(1, 40), st.integers(0, 2**31))
 def test_write_kv_matches_spec(block_size, num_tokens, seed):

@@ -142,7 +142,9 @@ print("\n9. Inside the Numba CPU kernel: how one call splits its work")
 # queries walks the blocks once, its scores in a small scratch; a compressed cache gathers its
 # blocks for two BLAS products instead); the rest (decodes, short chunks) go to the Numba
 # kernel in tiles of up to QUERY_TILE query rows of one sequence, so a thread walks each K/V
-# block once for the whole tile. Tiles run in parallel (prange).
+# block once for the whole tile. Tiles run in parallel (prange). A tile takes its context a
+# chunk of SCORE_CHUNK keys at a time: the chunk's scores, one online-softmax step for the
+# whole chunk, then p x v (the chunk's running max and sum carried to the next one).
 plan = cpu.plan_attention(meta)
 print(f"  this batch: prompt-path sequences {plan.prompt_seqs.tolist()}, Numba tiles (sequence, first row) "
       f"{plan.work.tolist()}")
