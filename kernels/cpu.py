@@ -529,6 +529,7 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
     chunk_blocks = max(1, SCORE_CHUNK // block_size)
     span = chunk_blocks * block_size            # keys a chunk holds
     for tid in prange(num_threads):
+        # a thread's scratch, flat (rows x head_dim): scaled queries, running sums of p * v
         queries = np.empty((QUERY_TILE * num_heads, head_dim), np.float32)   # (rows, head_dim)
         qs = queries.reshape(-1)                                            # the same, flat
         sums = np.empty((QUERY_TILE * num_heads, head_dim), np.float32)      # (rows, head_dim) of p * v
@@ -547,6 +548,8 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
                     qs[r * head_dim + d] = q[t0 + r // num_heads, r % num_heads, d] * scale
                     acc[r * head_dim + d] = 0.0
             num_ctx_blocks = last_pos // block_size + 1
+            # Block-sparse decode (Quest): as in the loop kernel, a decoding head reads only the
+            # `keep` blocks whose keys could score highest, always the first and the last.
             sparse = keep > 0 and query_start_loc[s + 1] - query_start_loc[s] == 1 and num_ctx_blocks > keep
             chosen = _choose_blocks(queries[:rows], key_min, key_max, block_tables[s], num_ctx_blocks,
                                     keep, num_heads, group) if sparse else _ALL_BLOCKS
