@@ -176,7 +176,9 @@ def _update_key_bounds(k, slot_mapping, block_size, key_min, key_max):
 def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
              slot_mapping: np.ndarray, quant: KVQuant | None = None,
              bounds: BlockBounds | None = None) -> None:
-    """Scatter k, v (T, num_kv_heads, head_dim) into the caches at ``slot_mapping`` (T,);
+    """Scatter k, v (T, num_kv_heads, head_dim) into the caches at ``slot_mapping`` (T,), whose
+    slots are distinct (-1 aside: tokens not written), as the block tables make them: from
+    WRITE_KV_PARALLEL_MIN_TOKENS tokens the threads write at once;
     with ``quant``, as int8 or fp8 bytes (and int8's per-token scales); with ``bounds``,
     keeping each block's key min / max (block-sparse attention's page metadata)."""
     if bounds is not None:
@@ -455,8 +457,8 @@ _paged_attention = {(fmt, heads): two_ways(_specialize(_paged_attention_body, KV
 # instead of leaving the head_dim loops to LLVM: a key's dot products with the HEADS queries
 # of its group are HEADS registers of sums, added across lanes once per key, and p x v keeps
 # the HEADS rows' accumulators for 4 x LANES of head_dim in registers across a whole block,
-# where the loop above loads and stores them for every key. While it scores a block, it asks
-# for the next block's K and V a few lines per key. At 64 decodes of 264 tokens, all 30
+# where the loop above loads and stores them for every key. It asks for the next block's K a
+# few lines per key while it scores, and for the next block's V while it multiplies. At 64 decodes of 264 tokens, all 30
 # layers: 30-32 ms a step against 37-40 (2-core AMD EPYC, Zen 3, docs/benchmarks.md). Quantized
 # caches, head_dim that is not a multiple of LANES, and pools it cannot address as a flat window
 # (head_dim strided, negative strides, K and V laid out differently) use the loop above.
@@ -469,7 +471,8 @@ VECTOR_ATTENTION = True
 # thread, one sequence of 4,096 keys, all in L1: 31-34 ns a key and KV head before, 19-21 after;
 # 16 sequences of 5 queries (speculative decoding's verification), 30 layers: 30-34 ms against
 # 26-27; tiles of 16 queries: 44-45 against 36-38. Plain decodes read their K/V from memory,
-# which bounds both: the same time (2-core AMD EPYC, Zen 3). Scratch: num_heads x 256 floats.
+# which bounds both: the same time (2-core AMD EPYC, Zen 3). Scratch: num_heads x span floats
+# (span: the chunk's keys, 256 at block sizes that divide it, one block where blocks are larger).
 SCORE_CHUNK = 256
 
 

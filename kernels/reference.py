@@ -16,7 +16,7 @@ def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndar
 
     k_cache, v_cache: (num_blocks, num_kv_heads, block_size, head_dim)
     k, v:             (T, num_kv_heads, head_dim)
-    slot_mapping:     (T,) slot = block * block_size + offset; -1 means "do not write"
+    slot_mapping:     (T,) slot = block * block_size + offset, distinct; -1 means "do not write"
     quant:            a layout.KVQuant for a compressed cache: the values are stored as
                       ``quantize_kv`` says, and int8's scales go to quant.k_scale / v_scale
     """

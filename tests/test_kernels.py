@@ -153,17 +153,21 @@ def test_register_attention_takes_float_pools_it_can_address():
 
 @pytest.mark.parametrize("block_size", [1, 16, 64, 512])
 @pytest.mark.parametrize("split", [False, True])
-def test_register_attention_walks_long_contexts_in_chunks(monkeypatch, block_size, split):
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 48)])
+def test_register_attention_walks_long_contexts_in_chunks(monkeypatch, block_size, split, heads, kv_heads,
+                                                          head_dim):
     """Contexts of several SCORE_CHUNKs (a block of 512 is a chunk of its own): the online softmax
     carries its max and sums from chunk to chunk, a tile of queries reads a causal prefix of each
-    chunk, and split-K slices start and end inside the context. The spec agrees."""
+    chunk, and split-K slices (of a decode and of a tile of queries) start and end inside the
+    context. Groups of 3 and 2 heads; head_dim 48 leaves registers over after the quads. The
+    spec agrees."""
     assert 700 > 2 * cpu.SCORE_CHUNK
     if split and cpu.get_num_threads() < 2:
         pytest.skip("split-K slices a context over two or more threads")
     monkeypatch.setattr(cpu, "SPLIT_MIN_TOKENS", 64 if split else 1 << 30)
     q, k_cache, v_cache, meta = random_batch(np.random.default_rng(block_size), block_size=block_size,
-                                             num_heads=9, num_kv_heads=3, head_dim=64,
-                                             seqs=[(1, 700), (5, 600), (1, 257)] if not split else [(1, 700)])
+                                             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                                             seqs=[(1, 700), (5, 600), (1, 257)] if not split else [(5, 700)])
     taken = []
     real_call = cpu._vector_attention_call
     monkeypatch.setattr(cpu, "_vector_attention_call", lambda *a: taken.append(real_call(*a)) or taken[-1])

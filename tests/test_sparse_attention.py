@@ -102,6 +102,27 @@ def test_a_budget_covering_the_context_is_dense_attention_exactly():
     np.testing.assert_array_equal(sparse[1:], dense[1:])        # 3 and 1 blocks: all kept
 
 
+@pytest.mark.parametrize("block_size", [1, 16, 512])
+@pytest.mark.parametrize("split", [False, True])
+def test_sparse_decode_over_several_chunks_and_slices(monkeypatch, block_size, split):
+    """Sparse decode over contexts of several of the register kernel's chunks, and split-K
+    slices of them in which a head (or every head) reads no block at all: the spec's answer,
+    every value finite."""
+    if split and cpu.get_num_threads() < 2:
+        pytest.skip("split-K slices a context over two or more threads")
+    monkeypatch.setattr(cpu, "SPLIT_MIN_TOKENS", 1 if split else 1 << 30)
+    rng = np.random.default_rng(block_size)
+    q, k_float, v_float, meta = random_batch(rng, block_size=block_size, num_heads=6, num_kv_heads=2,
+                                             head_dim=24, seqs=[(1, 1100)])
+    kc, vc, _, key_min, key_max = written_pool(rng, k_float, v_float)
+    keep = 2                                   # the first and the last block: the middle slices read none
+    got = cpu.paged_attention(q, kc, vc, meta, 0.3, None, BlockBounds(key_min, key_max, keep))
+    want = spec.sparse_decode_attention(q, kc, vc, key_min, key_max, meta.block_tables, meta.seq_lens, 0.3,
+                                        keep * block_size)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-4)
+
+
 def test_the_choice_keeps_the_first_and_last_and_the_highest_bounds():
     rng = np.random.default_rng(5)
     key_min = rng.standard_normal((10, 8)).astype(np.float32)
