@@ -267,27 +267,40 @@ def _any_chosen(chosen, r0, heads, j):
 
 
 @njit(fastmath=True, inline="always", cache=True)
-def _softmax_block(row, valid, row_max, row_sum, r, skip):
-    """One block's online softmax step for row r: row[:valid] holds its scores, and gets their
-    e^(s - new max); row_max[r] and row_sum[r] are brought up to date. Returns the factor the
-    row's running sum of p * v must be scaled by. ``skip`` (block-sparse: this head does not read
-    the block): p = 0 and the factor 1, the row's statistics untouched."""
-    if skip:
-        for o in range(valid):
+def _softmax_step(row, n, row_max, row_sum, r):
+    """One online softmax step for row r over n keys (a block, or a chunk of blocks): row[:n]
+    holds their scores (-inf where the row does not read a key) and gets their e^(s - new max);
+    row_max[r] and row_sum[r] are brought up to date. Returns the factor the row's running sum
+    of p * v must be scaled by (1 when none of the keys is read)."""
+    new_max = row_max[r]
+    for o in range(n):
+        new_max = max(new_max, row[o])
+    if not new_max > np.float32(-1e30):      # -inf: nothing read yet (no test against inf,
+        # which fastmath may fold away): p = 0 for every key
+        for o in range(n):
             row[o] = 0.0
         return np.float32(1.0)
-    new_max = row_max[r]
-    for o in range(valid):
-        new_max = max(new_max, row[o])
     correction = fast_exp(row_max[r] - new_max)
     total = row_sum[r] * correction
-    for o in range(valid):                   # the block's exps, vectorised
+    for o in range(n):                       # the exps, vectorised
         row[o] = fast_exp(row[o] - new_max)
-    for o in range(valid):
+    for o in range(n):
         total += row[o]
     row_sum[r] = total
     row_max[r] = new_max
     return correction
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def _softmax_block(row, valid, row_max, row_sum, r, skip):
+    """The loop kernel's step for one block (``_softmax_step`` over its ``valid`` keys).
+    ``skip`` (block-sparse: this head does not read the block): p = 0 and the factor 1, the
+    row's statistics untouched."""
+    if skip:
+        for o in range(valid):
+            row[o] = 0.0
+        return np.float32(1.0)
+    return _softmax_step(row, valid, row_max, row_sum, r)
 
 
 @njit(fastmath=True, inline="always", cache=True)
@@ -458,10 +471,11 @@ _paged_attention = {(fmt, heads): two_ways(_specialize(_paged_attention_body, KV
 # of its group are HEADS registers of sums, added across lanes once per key, and p x v keeps
 # the HEADS rows' accumulators for 4 x LANES of head_dim in registers across a whole block,
 # where the loop above loads and stores them for every key. It asks for the next block's K a
-# few lines per key while it scores, and for the next block's V while it multiplies. At 64 decodes of 264 tokens, all 30
-# layers: 30-32 ms a step against 37-40 (2-core AMD EPYC, Zen 3, docs/benchmarks.md). Quantized
-# caches, head_dim that is not a multiple of LANES, and pools it cannot address as a flat window
-# (head_dim strided, negative strides, K and V laid out differently) use the loop above.
+# few lines per key while it scores, and for the next block's V while it multiplies. At 64
+# decodes of 264 tokens, all 30 layers: 30-32 ms a step against 37-40 (2-core AMD EPYC, Zen 3,
+# docs/benchmarks.md). Quantized caches, head_dim that is not a multiple of LANES, and pools it
+# cannot address as a flat window (head_dim strided, negative strides, K and V laid out
+# differently) use the loop above.
 VECTOR_ATTENTION = True
 
 # Keys the register kernel scores before one softmax step over them all (rounded down to whole
@@ -487,29 +501,14 @@ def _three_fmas(heads, p0, p1, p2, value, a, b, c):
     return a, b, c
 
 
-@njit(fastmath=True, inline="always", cache=SIMD_CACHE)
-def _softmax_chunk(row, n, row_max, row_sum, r):
-    """The online softmax over a chunk: row[:n] holds row r's scores for the chunk's keys (-inf
-    where the row does not read a key) and gets their e^(s - new max); row_max[r] and
-    row_sum[r] are brought up to date. Returns the factor the row's running p * v sums must be
-    scaled by (1 when the chunk holds no key the row reads)."""
-    new_max = row_max[r]
-    for o in range(n):
-        new_max = max(new_max, row[o])
-    if not new_max > np.float32(-1e30):      # -inf: nothing read yet (no test against inf,
-        # which fastmath may fold away): p = 0 for every key
-        for o in range(n):
-            row[o] = 0.0
-        return np.float32(1.0)
-    correction = fast_exp(row_max[r] - new_max)
-    total = np.float32(0.0)
-    for o in range(n):                       # the chunk's exps, vectorised
-        row[o] = fast_exp(row[o] - new_max)
-    for o in range(n):
-        total += row[o]
-    row_sum[r] = row_sum[r] * correction + total
-    row_max[r] = new_max
-    return correction
+@njit(inline="always", cache=SIMD_CACHE)
+def _mask_unread(scores, at, span, heads, valid, chosen, r0, j):
+    """Block-sparse decode: the scores of block j's ``valid`` keys become -inf (p = 0) for each
+    of rows r0 .. r0 + heads - 1 that does not read the block (their scores at at + g * span)."""
+    for g in range(heads):
+        if not chosen[r0 + g, j]:
+            for o in range(valid):
+                scores[at + g * span + o] = -np.inf
 
 
 def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_stride, block_size,
@@ -583,15 +582,13 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
                                 r0 = rq + h                      # their rows
                                 at = h * span + o0               # where their scores go
                                 if sparse and not _any_chosen(chosen, r0, heads, j):
-                                    for g in range(heads):       # no head of the group reads block j
-                                        for o in range(valid):
-                                            scores[at + g * span + o] = -np.inf
-                                    continue
+                                    _mask_unread(scores, at, span, heads, valid, chosen, r0, j)
+                                    continue                     # no head of the group reads block j
                                 q0 = r0 * head_dim               # where row r0's queries start
                                 q1, q2 = q0 + head_dim, q0 + 2 * head_dim
                                 for o in range(valid):
                                     key_at = base + o * token_stride
-                                    if ahead != 0 and qi == 0 and g0 == 0:   # the next block's K, a line at a time
+                                    if ahead != 0 and qi == 0 and g0 == 0:   # the next K, a line at a time
                                         for line in range(0, head_dim, 16):
                                             prefetch(k_flat, 4 * (key_at + ahead + line))
                                     if j + 1 == c1 and qi == 0 and g0 == 0:  # the chunk's first V, for step 3
@@ -612,13 +609,10 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
                                     if heads > 2:
                                         scores[at + 2 * span + o] = vsum(a2)
                                 if sparse:                       # the group's heads that skip it
-                                    for g in range(heads):
-                                        if not chosen[r0 + g, j]:
-                                            for o in range(valid):
-                                                scores[at + g * span + o] = -np.inf
+                                    _mask_unread(scores, at, span, heads, valid, chosen, r0, j)
                     # 2. each row's online softmax step over the whole chunk; its sums rescaled
                     for h in range(num_heads):
-                        correction = _softmax_chunk(scores[h * span:], n_keys, row_max, row_sum, rq + h)
+                        correction = _softmax_step(scores[h * span:], n_keys, row_max, row_sum, rq + h)
                         if correction != np.float32(1.0):
                             factor = vsplat(correction)
                             for c in range(0, head_dim, LANES):
