@@ -1022,6 +1022,13 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 # 66 for 32, 102 for 64 (BLAS: 105). Above this many rows (prefill) BLAS's gemm is the
 # better engine.
 SKINNY_MAX_ROWS = 64
+# Products of up to this many rows multiply the weight's panels (``kernels/panel_gemm.py``), when
+# the model made them: decode steps of up to 128 sequences, and the small prefills of a chat
+# turn. On a 2-core Zen 3 EPYC (AVX2), one layer's four weights and the LM head, the two
+# engines alternated in one process: 72 rows 28.7 ms against BLAS's 37.7, 112 rows 41-44
+# against 48, 128 rows 48-49 against 52-54; at 144 rows BLAS won (58 against 64): the rows of x
+# (331 KB at in = 576) no longer stay in L2 beside the panel. Prefills stay with BLAS.
+PANEL_MAX_ROWS = 128
 # With a packed weight, MKL takes products from this many rows. Below, reading the weight
 # bounds the product and ours is as fast or faster: whole decode steps (`bench roofline`,
 # 2-core Xeon, AVX-512) took 30.5 ms at B = 2 ours, 35.2 MKL; 48 both at B = 8; then MKL
@@ -1113,7 +1120,7 @@ def linear(x: np.ndarray, w: np.ndarray, packed=None) -> np.ndarray:
 
     ``packed`` is w's second copy, made once by the model:
     - w's panels (``pack_linear``, ``kernels/panel_gemm.py``): every float32 product of up to
-      SKINNY_MAX_ROWS rows (every decode step of up to 64 sequences) multiplies them;
+      PANEL_MAX_ROWS rows (every decode step of up to 128 sequences) multiplies them;
     - oneMKL's packed layout (``kernels/packed_gemm.py``): every float32 product from
       PACKED_MIN_ROWS rows up is MKL's.
     Otherwise, up to SKINNY_MAX_ROWS rows of float32 go to ``_skinny_linear``, which streams
@@ -1128,7 +1135,7 @@ def linear(x: np.ndarray, w: np.ndarray, packed=None) -> np.ndarray:
         raise ValueError(f"linear: the packed copy is ({packed.out_features}, {packed.in_features}), "
                          f"not w's {w.shape}")
     if isinstance(packed, PanelWeight):
-        if 1 <= rows <= SKINNY_MAX_ROWS and x.dtype == np.float32:
+        if 1 <= rows <= PANEL_MAX_ROWS and x.dtype == np.float32:
             return packed.apply(x, get_num_threads())
     elif packed is not None and rows >= PACKED_MIN_ROWS and x.dtype == np.float32:
         return packed.apply(x)

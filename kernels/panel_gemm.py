@@ -1,7 +1,7 @@
 """Panel GEMM: each linear weight laid out once for the decode step's product (a page's layout
 chosen for its reader, as a driver lays out a frame buffer for the display engine).
 
-A decode step multiplies a few rows x (M = 1..64 sequences, (M, in)) by every weight w
+A decode step multiplies a few rows x (M = 1..128 sequences, (M, in)) by every weight w
 (out, in). Read in the checkpoint's layout, the product is M dot products per weight row,
 each summed over ``in`` within one register and then reduced across its lanes; at 8-32 rows
 that reduction and the register pressure kept a whole step's products at 40-80 GFLOP/s, while
@@ -22,7 +22,7 @@ Rows are padded with zeros to a multiple of 4 (tiles of 8 with AVX-512, or pairs
 6 with AVX2, then tiles of 4; a single row has its own loop): at 2-3 rows the product is
 bound by reading the weight, and four rows read it no slower than one. The NumPy product
 ``x @ w.T`` (``kernels/reference.py`` ``linear``) is the spec (``tests/test_panel_gemm.py``).
-Prefills (more than ``kernels/cpu.py`` SKINNY_MAX_ROWS rows) stay with BLAS's gemm on the
+Prefills (more than ``kernels/cpu.py`` PANEL_MAX_ROWS rows) stay with BLAS's gemm on the
 checkpoint's layout, which reuses x across panels in its caches; the panels are a second
 copy of every weight, resident beside it.
 """

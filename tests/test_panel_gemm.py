@@ -79,7 +79,7 @@ def test_panel_products_match_the_spec_for_every_row_count(n, k):
     rng = np.random.default_rng(n + k)
     w = (0.05 * rng.standard_normal((n, k))).astype(np.float32)       # (out, in)
     packed = pack(w)
-    for rows in range(0, 65):
+    for rows in (*range(0, 65), 71, 96, 127, 128):                    # up to PANEL_MAX_ROWS
         x = rng.standard_normal((rows, k), dtype=np.float32)           # (T, in)
         for threads in (1, 2, 3):
             got = panel_linear(x, packed, threads)
@@ -87,18 +87,18 @@ def test_panel_products_match_the_spec_for_every_row_count(n, k):
             np.testing.assert_allclose(got, reference.linear(x, w), rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
-def test_linear_multiplies_by_the_panels_up_to_the_skinny_limit(monkeypatch):
-    """With panels, linear uses them for 1..SKINNY_MAX_ROWS float32 rows and BLAS beyond; the
+def test_linear_multiplies_by_the_panels_up_to_their_limit(monkeypatch):
+    """With panels, linear uses them for 1..PANEL_MAX_ROWS float32 rows and BLAS beyond; the
     answer is x @ w.T either way, strided or float64 rows included."""
     rng = np.random.default_rng(3)
     w = rng.standard_normal((40, 24), dtype=np.float32)               # (out, in)
     packed = cpu.pack_linear(w)
     calls = []
     monkeypatch.setattr(PanelWeight, "apply", lambda self, x, t: calls.append(len(x)) or panel_linear(x, self, t))
-    for rows in (1, 5, cpu.SKINNY_MAX_ROWS, cpu.SKINNY_MAX_ROWS + 1, 200):
+    for rows in (1, 5, cpu.SKINNY_MAX_ROWS + 1, cpu.PANEL_MAX_ROWS, cpu.PANEL_MAX_ROWS + 1, 300):
         x = rng.standard_normal((rows, 24), dtype=np.float32)
         np.testing.assert_allclose(cpu.linear(x, w, packed), x @ w.T, rtol=1e-4, atol=1e-4)
-    assert calls == [1, 5, cpu.SKINNY_MAX_ROWS]
+    assert calls == [1, 5, cpu.SKINNY_MAX_ROWS + 1, cpu.PANEL_MAX_ROWS]
     strided = rng.standard_normal((3, 48), dtype=np.float32)[:, ::2]   # a view, not contiguous
     np.testing.assert_allclose(cpu.linear(strided, w, packed), strided @ w.T, rtol=1e-4, atol=1e-4)
     x64 = rng.standard_normal((4, 24))                                 # float64 rows: BLAS, same answer
@@ -154,7 +154,7 @@ _OTHER_WIDTH_CHECK = textwrap.dedent("""
         w = (0.05 * rng.standard_normal((n, k))).astype(np.float32)
         packed = pack(w)
         assert packed.data.shape[2] == PANEL
-        for rows in (*range(0, 18), 31, 64):
+        for rows in (*range(0, 18), 31, 64, 102, 128):
             x = rng.standard_normal((rows, k), dtype=np.float32)
             for threads in (1, 2):
                 np.testing.assert_allclose(panel_linear(x, packed, threads), reference.linear(x, w),

@@ -196,7 +196,8 @@ def test_t14_the_roofline():
     assert re.search(r"\n +B=2: [\d.]+x the bound of B=1, .*\(linear: (panels|skinny kernel), step 4\)", out)
     assert "the weight: 3072 x 576 float32 (7.1 MB)" in out
     assert re.search(r"\n +1 +1\.00x +[\d.]+x +[\d.]+x +panels\n +2 +[\d.]+x +[\d.]+x +[\d.]+x +panels\n", out)
-    assert re.search(r"\n +64 +[\d.]+x +[\d.]+x +[\d.]+x +panels\n +128 +[\d.]+x +[\d.]+x +[\d.]+x +BLAS gemm\n", out)
+    assert re.search(r"\n +64 +[\d.]+x +[\d.]+x +[\d.]+x +panels\n +128 +[\d.]+x +[\d.]+x +[\d.]+x +panels\n"
+                     r" +256 +[\d.]+x +[\d.]+x +[\d.]+x +BLAS gemm\n", out)
     assert re.search(r"the panels beat the skinny kernel at \d+ of 8 row counts", out)
     assert re.search(r"so linear runs the panels for 1\.\.\d+ rows, and BLAS's gemm for more", out)
     assert ("oneMKL is not used here" in out

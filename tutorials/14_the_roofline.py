@@ -15,12 +15,13 @@ Then real engine steps, timed against that bound and split into matrix products,
 LM head, attention, the other kernels, the sampler and the Python around the model.
 Last, what the measurement taught while the CPU path was made fast: a BLAS product of a
 few rows costs far more than reading the weight once (OpenBLAS packs the whole weight
-into its own layout first, at every call), so ``kernels/cpu.py`` ``linear`` sends up to
-SKINNY_MAX_ROWS rows (every decode batch up to 64) to Numba kernels that stream each
-weight once for all of them: ``_skinny_linear`` reads the checkpoint's rows, dot product
-by dot product, and the panel kernel (``kernels/panel_gemm.py``, on ``kernels/simd.py``'s
-registers) reads a copy of each weight laid out once, at load, for the product, which is
-what the engine multiplies by; that packing once, instead of at every call, is also what a
+into its own layout first, at every call), so ``kernels/cpu.py`` ``linear`` sends small
+products to Numba kernels that stream each weight once for all of their rows:
+``_skinny_linear`` (up to SKINNY_MAX_ROWS = 64 rows) reads the checkpoint's rows, dot product
+by dot product, and the panel kernel (up to PANEL_MAX_ROWS = 128 rows: every decode batch
+up to 128; ``kernels/panel_gemm.py``, on ``kernels/simd.py``'s registers) reads a copy of
+each weight laid out once, at load, for the product, which is what the engine multiplies
+by; that packing once, instead of at every call, is also what a
 vendor's library offers (oneMKL's packed GEMM, ``kernels/packed_gemm.py``, used from 8 rows
 on Intel's CPUs when installed); and two thread pools on the same cores must spin only
 briefly while they wait, then sleep.
@@ -42,7 +43,7 @@ Run it:  python tutorials/14_the_roofline.py
 (MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
 
 Exercises (also printed at the end):
-  1. Set SKINNY_MAX_ROWS in kernels/cpu.py to 0 (every batch goes to BLAS), then to 256, and
+  1. Set PANEL_MAX_ROWS in kernels/cpu.py to 0 (every batch goes to BLAS), then to 256, and
      rerun  python -m minipaged bench roofline --batch-sizes 1,2,4,8,16,32,64 --prefill-lens 256
      How do the matmuls and lm_head columns move? Is BLAS's gemm the faster for the
      256-token prefill? Does step 4's micro-benchmark, on one weight that stays in
@@ -82,14 +83,14 @@ CONTEXT = 128                 # tokens of context of the decode steps
 DECODE_BATCHES = (1, 2, 4)    # batch sizes measured in step 3 (all through the panels)
 DECODE_STEPS = 4              # decode steps timed at each batch size
 PREFILL_LEN = 256             # the prompt of the prefill measured in step 3
-ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128)   # rows of the products of step 4 (128: past SKINNY_MAX_ROWS)
+ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256)   # rows of the products of step 4 (256: past PANEL_MAX_ROWS)
 REPEATS = 100                 # step 4: the best of this many calls of each product
 PARTS = ("matmuls", "lm_head", "attention", "other_kernels", "sampler", "python")
 
 
 def linear_path(rows: int, packed=None) -> str:
     """Which product kernels.cpu.linear runs for this many float32 rows, given w's second copy."""
-    if isinstance(packed, PanelWeight) and rows <= cpu.SKINNY_MAX_ROWS:
+    if isinstance(packed, PanelWeight) and rows <= cpu.PANEL_MAX_ROWS:
         return "panels"
     if packed is not None and not isinstance(packed, PanelWeight) and rows >= cpu.PACKED_MIN_ROWS:
         return "oneMKL packed"
@@ -221,7 +222,7 @@ base = best[1, "BLAS"]
 print(f"  the weight: {w.shape[0]} x {w.shape[1]} {w.dtype} ({fmt_bytes(w.nbytes)}), "
       f"the best of {REPEATS} calls, as a ratio to one row through x @ w.T ({base * 1e3:.3f} ms)")
 print(f"  {'rows':>4} {'x @ w.T':>8} {'skinny':>7} {'panels':>7}  linear's path with the panels "
-      f"(SKINNY_MAX_ROWS = {cpu.SKINNY_MAX_ROWS})")
+      f"(PANEL_MAX_ROWS = {cpu.PANEL_MAX_ROWS})")
 for m in ROWS:
     print(f"  {m:4} {best[m, 'BLAS'] / base:7.2f}x {best[m, 'skinny'] / base:6.2f}x {best[m, 'panels'] / base:6.2f}x  "
           f"{linear_path(m, panels)}")
@@ -240,8 +241,9 @@ print(f"  here, in cache, the panels beat the skinny kernel at {len(wins)} of {l
       f"({best[8, 'panels'] / base:.1f}x against {best[8, 'skinny'] / base:.1f}x for 8 rows, "
       f"{best[32, 'panels'] / base:.1f}x against {best[32, 'skinny'] / base:.1f}x for 32, "
       f"{best[32, 'BLAS'] / base:.1f}x through BLAS)")
-print(f"  so linear runs the panels for 1..{cpu.SKINNY_MAX_ROWS} rows, and BLAS's gemm for more (prefill), "
-      "which reuses each row of x across the whole weight in its caches")
+print(f"  so linear runs the panels for 1..{cpu.PANEL_MAX_ROWS} rows, and BLAS's gemm for more (prefill), "
+      "which reuses each row of x across the whole weight in its caches; past that many rows, x itself "
+      "no longer stays in the core's L2 cache beside a panel")
 fits = w.nbytes < llc
 where = ("fits in the {} MiB last-level cache: after the first call it is read from cache" if fits else
          "does not fit in the {} MiB last-level cache, yet part of it stays there from call to call")
@@ -251,7 +253,7 @@ spills = b1["weight_bytes"] > llc
 print(f"  a whole decode step reads {fmt_bytes(b1['weight_bytes'])} of weights, "
       f"{'more' if spills else 'less'} than the {llc >> 20} MiB that cache holds, so in a real step "
       f"{'every row after the first finds only part of the weights still in cache' if spills else 'the other weights and the KV cache compete for it'}: "
-      "that is why bench roofline times whole steps (step 3), and why SKINNY_MAX_ROWS was chosen from them")
+      "that is why bench roofline times whole steps (step 3), and why PANEL_MAX_ROWS was chosen from them")
 print("  docs/benchmarks.md records whole steps' products (2-core AMD EPYC, AVX-512, one sitting): the "
       "skinny kernel took 43-44 ms for 8 rows, 59-60 for 16, 111-121 for 64; the panels 26-27, 42, 96 "
       "(the weights streamed near the memory's speed up to 8 rows, then the multiply-adds near their peak); "
