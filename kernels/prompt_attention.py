@@ -15,9 +15,10 @@ way FlashAttention does:
   like the weights of ``kernels/panel_gemm.py``; keys are read straight from their blocks;
 - for each chunk of KEY_CHUNK keys: scores transposed, (keys, rows), six keys at a time, each
   key's head_dim values broadcast against two registers of rows (``_scores_6``); an online
-  softmax update across rows, which vectorises because rows are contiguous (the causal mask
-  only on the chunk that reaches the tile's own positions); then p x v for six rows at a time
-  and PANEL of head_dim, the values read from their blocks (``_pv_6``);
+  softmax update across rows, in registers of LANES rows because rows are contiguous (on the
+  chunk that reaches the tile's own positions, each row's causal future is first overwritten
+  with HIDDEN); then p x v for six rows at a time and PANEL of head_dim (``_pv_6``), the
+  chunk's values first copied out of their blocks into PANEL-wide columns;
 - the rows' sums are divided by their softmax totals at the end.
 
 Spec: ``kernels/reference.py`` ``paged_attention`` (``tests/test_prompt_attention.py``).
@@ -33,12 +34,13 @@ import numpy as np
 from numba import njit, prange
 
 from .fast_math import fast_exp
-from .simd import LANES, SIMD_CACHE, vbroadcast, vfma, vload, vstore, vzero
+from .simd import LANES, SIMD_CACHE, vbroadcast, vfma, vload, vmax, vstore, vzero
 
 PANEL = 2 * LANES                     # rows of a query panel, and head_dim of a p x v tile
 QUERY_TILE = 32                       # queries per work item
 KEY_CHUNK = 128                       # keys per online-softmax update: (128, 96) scores, 48 KB
 ROW_MULTIPLE = 6 * PANEL // math.gcd(6, PANEL)   # rows padded to tiles of 6 and panels of PANEL
+HIDDEN = np.float32(-1e30)            # a causal-future score: below every real one, e^(HIDDEN - max) = 0
 
 
 def fits(k_cache: np.ndarray, v_cache: np.ndarray, head_dim: int) -> bool:
@@ -114,9 +116,10 @@ def _scores_1(panels, p, head_dim, k_flat, key_at, kk, scores, rows):
 
 
 @njit(fastmath=True, inline="always", cache=SIMD_CACHE)
-def _pv_6(acc, r0, c, head_dim, probs, rows, v_flat, key_at, num_keys):
+def _pv_6(acc, r0, c, head_dim, probs, rows, values, at_c, num_keys):
     """acc[r0 .. r0 + 5, c .. c + PANEL] += probs[keys, those rows] @ values[keys, c .. c + PANEL]:
-    12 registers of sums held across the chunk's keys."""
+    12 registers of sums held across the chunk's keys. ``values`` is the chunk's copy, whose
+    columns c .. c + PANEL start at at_c, PANEL floats a key."""
     a0, b0 = vload(acc, r0 * head_dim + c), vload(acc, r0 * head_dim + c + LANES)
     a1, b1 = vload(acc, (r0 + 1) * head_dim + c), vload(acc, (r0 + 1) * head_dim + c + LANES)
     a2, b2 = vload(acc, (r0 + 2) * head_dim + c), vload(acc, (r0 + 2) * head_dim + c + LANES)
@@ -124,8 +127,8 @@ def _pv_6(acc, r0, c, head_dim, probs, rows, v_flat, key_at, num_keys):
     a4, b4 = vload(acc, (r0 + 4) * head_dim + c), vload(acc, (r0 + 4) * head_dim + c + LANES)
     a5, b5 = vload(acc, (r0 + 5) * head_dim + c), vload(acc, (r0 + 5) * head_dim + c + LANES)
     for kk in range(num_keys):
-        lo = vload(v_flat, key_at[kk] + c)
-        hi = vload(v_flat, key_at[kk] + c + LANES)
+        lo = vload(values, at_c + kk * PANEL)
+        hi = vload(values, at_c + kk * PANEL + LANES)
         at = kk * rows + r0
         a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5 = _six_pairs(
             probs, at, at + 1, at + 2, at + 3, at + 4, at + 5, lo, hi,
@@ -158,6 +161,7 @@ def _prompt_attention(q, k_flat, v_flat, block_stride, head_stride, token_stride
         new_max = np.empty(rows, np.float32)
         row_pos = np.empty(rows, np.int64)                    # each row's position: keys after it are masked
         key_at = np.empty(KEY_CHUNK, np.int64)                # where each key of the chunk starts, in k_flat / v_flat
+        values = np.empty(KEY_CHUNK * head_dim, np.float32)   # (head_dim / PANEL, keys, PANEL): the chunk's V
         for w in range(tid, items, num_threads):
             t0 = (w // num_kv_heads) * QUERY_TILE
             kv_head = w % num_kv_heads
@@ -168,7 +172,7 @@ def _prompt_attention(q, k_flat, v_flat, block_stride, head_stride, token_stride
                 row_pos[r] = first_pos + t0 + qi
                 for d in range(head_dim):
                     panels[((r // PANEL) * head_dim + d) * PANEL + r % PANEL] = q[t0 + qi, kv_head * group + g, d] * scale
-                row_max[r] = -np.inf
+                row_max[r] = HIDDEN
                 row_sum[r] = 0.0
             acc[:] = 0.0
             context = first_pos + t0 + count                  # keys [0, context): the tile's last query's
@@ -186,15 +190,18 @@ def _prompt_attention(q, k_flat, v_flat, block_stride, head_stride, token_stride
                     while kk < num_keys:
                         _scores_1(panels, p, head_dim, k_flat, key_at, kk, scores, rows)
                         kk += 1
-                # the online softmax, row by row in lanes; masking only where the chunk reaches
-                # past the first row's position (keys beyond a row's own are its causal future)
-                masked = c0 + num_keys - 1 > row_pos[0]
-                for r in range(rows):
-                    new_max[r] = row_max[r]
-                for kk in range(num_keys):
+                # the online softmax, LANES rows to a register. Where the chunk reaches past the
+                # first row's position, each row's causal future (keys beyond its own) is hidden
+                # first: HIDDEN is below every score, and its e^(s - max) is 0
+                if c0 + num_keys - 1 > row_pos[0]:
                     for r in range(rows):
-                        visible = not masked or c0 + kk <= row_pos[r]
-                        new_max[r] = max(new_max[r], scores[kk * rows + r] if visible else -np.inf)
+                        for kk in range(max(0, row_pos[r] - c0 + 1), num_keys):
+                            scores[kk * rows + r] = HIDDEN
+                for v in range(0, rows, LANES):               # rows' maxima, one register at a time
+                    m = vload(row_max, v)
+                    for kk in range(num_keys):
+                        m = vmax(m, vload(scores, kk * rows + v))
+                    vstore(new_max, v, m)
                 for r in range(rows):
                     correction = fast_exp(row_max[r] - new_max[r])
                     row_sum[r] *= correction
@@ -202,19 +209,20 @@ def _prompt_attention(q, k_flat, v_flat, block_stride, head_stride, token_stride
                     for d in range(head_dim):
                         acc[r * head_dim + d] *= correction
                 for kk in range(num_keys):
-                    if masked:
-                        for r in range(rows):
-                            e = fast_exp(scores[kk * rows + r] - row_max[r]) if c0 + kk <= row_pos[r] else np.float32(0.0)
-                            scores[kk * rows + r] = e
-                            row_sum[r] += e
-                    else:
-                        for r in range(rows):
-                            e = fast_exp(scores[kk * rows + r] - row_max[r])
-                            scores[kk * rows + r] = e
-                            row_sum[r] += e
-                for r0 in range(0, rows, 6):
+                    for r in range(rows):
+                        e = fast_exp(scores[kk * rows + r] - row_max[r])
+                        scores[kk * rows + r] = e
+                        row_sum[r] += e
+                # the chunk's values, copied out of their blocks into PANEL-wide columns, so that
+                # each pass of six rows reads its columns as one run that stays in L1
+                for kk in range(num_keys):
                     for c in range(0, head_dim, PANEL):
-                        _pv_6(acc, r0, c, head_dim, scores, rows, v_flat, key_at, num_keys)
+                        at = c * KEY_CHUNK + kk * PANEL
+                        vstore(values, at, vload(v_flat, key_at[kk] + c))
+                        vstore(values, at + LANES, vload(v_flat, key_at[kk] + c + LANES))
+                for c in range(0, head_dim, PANEL):
+                    for r0 in range(0, rows, 6):
+                        _pv_6(acc, r0, c, head_dim, scores, rows, values, c * KEY_CHUNK, num_keys)
             for r in range(count * group):
                 inv = np.float32(1.0) / row_sum[r]
                 for d in range(head_dim):

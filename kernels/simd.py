@@ -6,7 +6,7 @@ leaves it to LLVM to find such vectors in scalar loops, and LLVM finds them in a
 (a reduction over k) but not in the layout a fast matrix product needs: many independent
 sums, each a whole register, kept in registers across the whole k loop. This module names
 that register directly, as GPU-Puzzles names a thread: ``F32Vec`` is a Numba type whose value
-is an LLVM ``<LANES x float>``, and nine intrinsics work on it:
+is an LLVM ``<LANES x float>``, and ten intrinsics work on it:
 
     vzero()              a register of zeros
     vsplat(s)            a register with s in every lane (a broadcast)
@@ -16,6 +16,7 @@ is an LLVM ``<LANES x float>``, and nine intrinsics work on it:
     vfma(a, b, c)        a * b + c, lane by lane, one fused multiply-add
     vadd(a, b)           a + b, lane by lane
     vmul(a, b)           a * b, lane by lane
+    vmax(a, b)           np.where(a > b, a, b), lane by lane (one max instruction)
     vsum(a)              a.sum(): the lanes added into one float32
 
 and one memory hint beside them, ``prefetch(arr, byte_offset)``, which changes no value.
@@ -197,6 +198,17 @@ def vmul(typingctx, a, b):
 
     def codegen(context, builder, sig, args):
         return builder.fmul(args[0], args[1])
+    return f32vec(a, b), codegen
+
+
+@intrinsic
+def vmax(typingctx, a, b):
+    """np.where(a > b, a, b): the larger lane of each pair (b where they are equal or one is NaN)"""
+    if not (a == b == f32vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
     return f32vec(a, b), codegen
 
 

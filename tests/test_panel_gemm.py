@@ -16,14 +16,14 @@ from numba import njit
 from minipaged.kernels import cpu, reference
 from minipaged.kernels.panel_gemm import PANEL, TILE_ROWS, PanelWeight, pack, panel_linear
 from minipaged.kernels.simd import (LANES, LANES_ENV, REGISTERS, host_vector_shape, vadd, vbroadcast, vfma,
-                                    vload, vmul, vsplat, vstore, vsum, vzero)
+                                    vload, vmax, vmul, vsplat, vstore, vsum, vzero)
 
 
 @njit(cache=False)
 def _simd_roundtrip(a, b, c, s, out):
     """out rows: vzero, vsplat(s), vload(a, 3), vfma(a[0:], b[0:], c[0:]), then a store at an
-    offset, vadd(a[0:], c[0:]), vbroadcast(b, 2) and vmul(a[0:], b[0:]) (each through vstore);
-    returns vsum(a[0:])."""
+    offset, vadd(a[0:], c[0:]), vbroadcast(b, 2), vmul(a[0:], b[0:]) and vmax(a[0:], b[0:]) (each
+    through vstore); returns vsum(a[0:])."""
     vstore(out[0], 0, vzero())
     vstore(out[1], 0, vsplat(s))
     vstore(out[2], 0, vload(a, 3))
@@ -32,6 +32,7 @@ def _simd_roundtrip(a, b, c, s, out):
     vstore(out[5], 0, vadd(vload(a, 0), vload(c, 0)))
     vstore(out[6], 0, vbroadcast(b, 2))
     vstore(out[7], 0, vmul(vload(a, 0), vload(b, 0)))
+    vstore(out[8], 0, vmax(vload(a, 0), vload(b, 0)))
     return vsum(vload(a, 0))
 
 
@@ -45,7 +46,8 @@ def _halving_sum(v: np.ndarray) -> np.float32:
 def test_each_simd_intrinsic_means_its_numpy_expression():
     rng = np.random.default_rng(0)
     a, b, c = (rng.standard_normal(LANES + 8, dtype=np.float32) for _ in range(3))
-    out = np.full((8, LANES + 8), 7.0, np.float32)
+    b[1] = a[1]                                                          # a tie: either is right
+    out = np.full((9, LANES + 8), 7.0, np.float32)
     total = _simd_roundtrip(a, b, c, np.float32(2.5), out)
     np.testing.assert_array_equal(out[0, :LANES], np.zeros(LANES, np.float32))
     np.testing.assert_array_equal(out[1, :LANES], np.full(LANES, 2.5, np.float32))
@@ -56,6 +58,7 @@ def test_each_simd_intrinsic_means_its_numpy_expression():
     np.testing.assert_array_equal(out[5, :LANES], a[:LANES] + c[:LANES])
     np.testing.assert_array_equal(out[6, :LANES], np.full(LANES, b[2], np.float32))
     np.testing.assert_array_equal(out[7, :LANES], a[:LANES] * b[:LANES])
+    np.testing.assert_array_equal(out[8, :LANES], np.maximum(a[:LANES], b[:LANES]))
     assert total == _halving_sum(a[:LANES].copy()) and isinstance(total, float)
     assert (out[4, :5] == 7.0).all() and (out[:4, LANES:] == 7.0).all()   # nothing past a register
 

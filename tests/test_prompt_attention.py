@@ -27,8 +27,9 @@ def run_kernel(q, k_cache, v_cache, meta, threads):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_prompt_kernel_matches_the_spec(num_heads, num_kv_heads, threads):
     """Prompts of 1 to 300 tokens (short and partial query tiles, several key chunks) and chunks
-    whose context runs past their queries, on shuffled blocks."""
-    seqs = [(1, 1), (5, 5), (31, 31), (32, 32), (33, 33), (129, 129), (300, 300), (40, 340), (7, 150)]
+    whose context runs past their queries, on shuffled blocks; (40, 150): a tile across a key
+    chunk's edge, whose first rows see none of the second chunk's keys."""
+    seqs = [(1, 1), (5, 5), (31, 31), (32, 32), (33, 33), (129, 129), (300, 300), (40, 340), (7, 150), (40, 150)]
     q, k_cache, v_cache, meta = random_batch(np.random.default_rng(num_heads + threads), block_size=16,
                                              num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64, seqs=seqs)
     got = run_kernel(q, k_cache, v_cache, meta, threads)
