@@ -128,6 +128,66 @@ def test_roofline_rows_against_the_models_own_arrays(tiny_model_dir, tmp_path, m
     assert versions["cpu_linear_layers"] == ("mkl" if engine.backend.gemm is not None else "numba")
 
 
+def test_a_workloads_floor_counts_every_token_it_must_make(tiny_model_dir):
+    """The floor of a whole workload, against a count from the model's own arrays: every prompt
+    prefilled once (one row of logits), every later token one query over all before it; the
+    weights read once per output token, every K and V read and written."""
+    from minipaged.engine.llm_engine import LLMEngine
+    engine = LLMEngine(str(tiny_model_dir), device="cpu", swap_space=0, num_blocks=64)
+    model, c = engine.runner.model, engine.model_config
+    layer_weights = sum(int(w.size) for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    head = int(model.lm_head.size)
+    kv = engine.cache.kv_cache                              # (layers, 2, blocks, kv_heads, block_size, head_dim)
+    kv_token_bytes = kv.nbytes // (kv.shape[2] * kv.shape[4])
+    per_pair = 4 * c.num_attention_heads * c.head_dim * c.num_hidden_layers   # q.k and p.v, every head and layer
+    prompts, out = [5, 12, 1], 4
+    flops = kv_tokens = 0
+    for p in prompts:
+        flops += 2 * p * layer_weights + 2 * head + per_pair * p * (p + 1) // 2   # the prefill: causal pairs
+        kv_tokens += 2 * p                                                      # read (itself) and written
+        for t in range(1, out):
+            flops += 2 * (layer_weights + head) + per_pair * (p + t)
+            kv_tokens += (p + t) + 1
+    logits_bytes = 4 * len(prompts) * out * c.vocab_size
+    nbytes = out * 4 * (layer_weights + head) + kv_tokens * kv_token_bytes + logits_bytes
+    machine = {"matmul_peak": 1e9, "read_bandwidth": 2e9}
+    floor = roofline.workload_floor(engine, prompts, out, machine)
+    assert floor["flops"] == flops and floor["bytes"] == nbytes
+    assert floor["compute_s"] == pytest.approx(flops / 1e9) and floor["memory_s"] == pytest.approx(nbytes / 2e9)
+    assert floor["floor_s"] == max(floor["compute_s"], floor["memory_s"])
+    assert floor["bound"] == ("compute" if flops / 1e9 >= nbytes / 2e9 else "memory")
+    # a machine that reads slowly enough turns the same workload memory-bound
+    slow = roofline.workload_floor(engine, prompts, out, {"matmul_peak": 1e12, "read_bandwidth": 1e6})
+    assert slow["bound"] == "memory" and slow["floor_s"] == pytest.approx(nbytes / 1e6)
+
+
+def test_bench_sets_the_run_and_the_peer_against_the_floor(tiny_model_dir, tmp_path, monkeypatch):
+    """``bench throughput --peer hf`` reports the workload's floor on this machine, the share of
+    it the run reached, and the most any engine could beat the peer by here."""
+    monkeypatch.setattr(bench, "matmul_peak", lambda: 3e9)
+    monkeypatch.setattr(bench, "read_bandwidth", lambda: 4e9)
+    monkeypatch.setattr(bench, "run_peer", lambda *a, **k: {"generation_tok_s": 2.0, "elapsed_s": 4.0})
+    out = tmp_path / "t.json"
+    args = build_parser().parse_args([
+        "bench", "throughput", "--model", str(tiny_model_dir), "--device", "cpu", "--swap-space", "0",
+        "--log-stats-interval", "0", "--num-prompts", "3", "--output-len", "5", "--min-prompt-len", "4",
+        "--max-prompt-len", "9", "--peer", "hf", "--out", str(out)])
+    assert bench.cmd_bench(args, engine_kwargs(args)) == 0
+    report = json.loads(out.read_text())
+    from minipaged.engine.llm_engine import LLMEngine
+    engine = LLMEngine(str(tiny_model_dir), device="cpu", swap_space=0, num_blocks=64)
+    requests = bench.make_requests("throughput", report["config"], engine.model_config.vocab_size, 0)
+    want = roofline.workload_floor(engine, [len(r.prompt) for r in requests], 5,
+                                   {"matmul_peak": 3e9, "read_bandwidth": 4e9})
+    floor, result = report["floor"], report["result"]
+    assert {k: floor[k] for k in want} == pytest.approx(want)
+    assert floor["machine"] == {"matmul_peak": 3e9, "read_bandwidth": 4e9}
+    assert result["floor_s"] == pytest.approx(want["floor_s"]) and result["floor_bound"] == want["bound"]
+    assert result["of_floor"] == pytest.approx(want["floor_s"] / result["elapsed_s"])
+    assert result["max_speedup_vs_hf"] == pytest.approx(15 / want["floor_s"] / 2.0)
+    assert result["speedup_vs_hf"] == pytest.approx(result["generation_tok_s"] / 2.0)
+
+
 def test_roofline_refuses_what_it_cannot_measure_before_measuring(monkeypatch):
     monkeypatch.setattr(roofline, "matmul_peak", lambda: pytest.fail("measured before refusing"))
     cfg = dict(batch_sizes="1,2", context_len=256, prefill_lens="256,2048", steps=8, prefill_repeats=2)

@@ -27,7 +27,7 @@ from .bench_serve import bench_serve
 from .measure import run_workload
 from .report import memory_figures, plot_memory, print_result, print_roofline, print_table
 from .quality import check_quality_args, print_quality, run_quality
-from .roofline import check_roofline_args, run_roofline
+from .roofline import check_roofline_args, matmul_peak, read_bandwidth, run_roofline, workload_floor
 from .sparse_quality import check_sparse_args, print_sparse, run_sparse
 from .parallel_bench import print_parallel_bench, run_parallel_bench
 from .spec_bench import print_spec_bench, run_spec_bench
@@ -171,6 +171,17 @@ def library_versions(cpu_gemm: str = "auto") -> dict:
             "mkl": mkl, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS")}
 
 
+def machine_floor(engine: LLMEngine, requests: list[BenchRequest], cfg: dict) -> dict | None:
+    """The workload's floor on this CPU (``roofline.workload_floor``), with the machine probed
+    after the run; None where it does not apply: on a GPU (the probes measure the CPU) or with
+    the layers split over workers."""
+    if engine.backend.device != "cpu" or engine.cache is None or engine.parallel_config.world_size != 1:
+        return None
+    machine = {"matmul_peak": matmul_peak(), "read_bandwidth": read_bandwidth()}
+    floor = workload_floor(engine, [len(r.prompt) for r in requests], cfg["output_len"], machine)
+    return {**floor, "machine": machine}
+
+
 def warm_up(engine: LLMEngine) -> None:
     """Compile the kernels and touch the weights, then start every counter afresh."""
     vocab = engine.model_config.vocab_size
@@ -246,11 +257,21 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
         report.update(results)
         print_table(args.workload, cfg, results)
     else:
-        result = report["result"] = results[""]
+        result = results[""]
+        floor = machine_floor(engine, requests, cfg) if args.workload in PEER_WORKLOADS else None
+        if floor is not None:
+            report["floor"] = floor
+            result = {**result, "floor_s": floor["floor_s"], "floor_bound": floor["bound"],
+                      "of_floor": floor["floor_s"] / result["elapsed_s"]}
         if peer is not None:
             report["peer"] = peer
             result = {**result, f"{args.peer}_generation_tok_s": peer["generation_tok_s"],
                       f"speedup_vs_{args.peer}": result["generation_tok_s"] / peer["generation_tok_s"]}
+            if floor is not None:
+                # no engine on this machine, in this precision, could beat the peer by more
+                result[f"max_speedup_vs_{args.peer}"] = (result["generated_tokens"] / floor["floor_s"]
+                                                         / peer["generation_tok_s"])
+        report["result"] = result             # the JSON holds what was printed
         print_result(args.workload, cfg, result)
     if args.out:
         with open(args.out, "w") as f:

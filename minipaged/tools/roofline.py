@@ -19,6 +19,10 @@ Decode is measured at batch sizes B with a context of about ``context_len`` toke
 the largest batch is prefilled once, then measured, and requests are aborted down to
 each smaller batch in turn (each batch's real mean context is reported and used).
 Prefill is one prompt of each length in ``prefill_lens``, alone in its step.
+
+``workload_floor`` applies the same bound to a whole workload (``bench throughput``,
+``single-stream``, ``prefill`` report it): the least time this machine allows it, and so the
+largest speed-up over a peer that any engine could show here.
 """
 
 from __future__ import annotations
@@ -111,6 +115,32 @@ def step_cost(engine: LLMEngine, query_lens: list[int], context_lens: list[int],
 
 def bound(cost: dict, machine: dict) -> float:
     return max(cost["bytes"] / machine["read_bandwidth"], cost["flops"] / machine["matmul_peak"])
+
+
+def workload_floor(engine: LLMEngine, prompt_lens: list[int], output_len: int, machine: dict) -> dict:
+    """The least time any engine could take for a whole workload on this machine, in the
+    model's precision: its FLOPs at the matmul peak, or, if longer, the bytes it must read at
+    the read bandwidth, whichever is larger (a lower bound: a real run also pays for the
+    phases in which one limit idles while the other works).
+
+    Each prompt is prefilled once (its last position through the LM head: the first output
+    token), then each later token is one query over the prompt and the tokens before it. The
+    bytes: the weights once for each of output_len steps (no token can be made before the one
+    it follows), and every K and V read and written.
+    """
+    query_lens, context_lens = [], []
+    for prompt_len in prompt_lens:
+        query_lens.append(prompt_len)                 # the prefill
+        context_lens.append(prompt_len)
+        for t in range(1, output_len):                # token t + 1 sees the prompt and t tokens
+            query_lens.append(1)
+            context_lens.append(prompt_len + t)
+    cost = step_cost(engine, query_lens, context_lens, num_logits=len(prompt_lens) * output_len)
+    nbytes = cost["bytes"] + (max(output_len, 1) - 1) * cost["weight_bytes"]
+    compute_s = cost["flops"] / machine["matmul_peak"]
+    memory_s = nbytes / machine["read_bandwidth"]
+    return {"flops": cost["flops"], "bytes": nbytes, "compute_s": compute_s, "memory_s": memory_s,
+            "floor_s": max(compute_s, memory_s), "bound": "compute" if compute_s >= memory_s else "memory"}
 
 
 # --------------------------------------------------------------------------- timing the parts
