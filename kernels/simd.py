@@ -6,7 +6,7 @@ leaves it to LLVM to find such vectors in scalar loops, and LLVM finds them in a
 (a reduction over k) but not in the layout a fast matrix product needs: many independent
 sums, each a whole register, kept in registers across the whole k loop. This module names
 that register directly, as GPU-Puzzles names a thread: ``F32Vec`` is a Numba type whose value
-is an LLVM ``<LANES x float>``, and ten intrinsics work on it:
+is an LLVM ``<LANES x float>``, and eleven intrinsics work on it:
 
     vzero()              a register of zeros
     vsplat(s)            a register with s in every lane (a broadcast)
@@ -17,6 +17,7 @@ is an LLVM ``<LANES x float>``, and ten intrinsics work on it:
     vadd(a, b)           a + b, lane by lane
     vmul(a, b)           a * b, lane by lane
     vmax(a, b)           np.where(a > b, a, b), lane by lane (one max instruction)
+    vmax_lanes(a)        a.max(): the largest lane, as one float32
     vsum(a)              a.sum(): the lanes added into one float32
 
 and one memory hint beside them, ``prefetch(arr, byte_offset)``, which changes no value.
@@ -90,7 +91,10 @@ class _F32VecModel(models.PrimitiveModel):
 
 
 def _float32_1d(arr) -> bool:
-    return isinstance(arr, nb_types.Array) and arr.ndim == 1 and arr.dtype == nb_types.float32
+    """A 1-D float32 array known to be contiguous (Numba's 'C' layout): the intrinsics address
+    arr[i] as the data pointer plus i, which a strided view would make wrong."""
+    return (isinstance(arr, nb_types.Array) and arr.ndim == 1 and arr.dtype == nb_types.float32
+            and arr.layout == "C")
 
 
 def _address(context, builder, sig, args):
@@ -210,6 +214,25 @@ def vmax(typingctx, a, b):
     def codegen(context, builder, sig, args):
         return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
     return f32vec(a, b), codegen
+
+
+@intrinsic
+def vmax_lanes(typingctx, a):
+    """a.max() as a float32: the lanes halved as in ``vsum``, with the larger of each pair kept"""
+    if a != f32vec:
+        return None
+
+    def codegen(context, builder, sig, args):
+        value, width = args[0], LANES
+        while width > 1:
+            width //= 2
+            low = builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(ir.IntType(32), width),
+                                                                   list(range(width))))
+            high = builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(ir.IntType(32), width),
+                                                                    list(range(width, 2 * width))))
+            value = builder.select(builder.fcmp_ordered(">", low, high), low, high)
+        return builder.extract_element(value, ir.IntType(32)(0))
+    return nb_types.float32(a), codegen
 
 
 @intrinsic

@@ -251,14 +251,20 @@ def test_elementwise_kernels_match_spec(monkeypatch, threads, tokens):
     np.testing.assert_array_equal(heads, original)            # the input is left untouched
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 70), st.integers(0, 2**31))
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 4 * 16 * 3 + 9), st.integers(0, 2**31))
 def test_row_max_matches_numpy(n, seed):
-    """Eight running maxima and a tail: the maximum wherever it sits, all-negative rows too."""
+    """Four registers of running maxima and a tail (rows shorter than 4 x LANES are all tail):
+    the maximum wherever it sits, in a register's lane or the tail, all-negative rows too."""
     rng = np.random.default_rng(seed)
     row = (rng.standard_normal(n + 5) * 100 - 50).astype(np.float32)
     row[rng.integers(0, n)] = 1e30 if seed % 3 == 0 else row[0]
+    row[n:] = 1e38                                            # past n: never read
     assert cpu._row_max(row, n) == row[:n].max()
+
+
+def test_row_max_of_nothing_is_minus_infinity():
+    assert cpu._row_max(np.ones(4, np.float32), 0) == -np.inf
 
 
 def test_prefetch_emits_a_prefetch_and_changes_nothing():

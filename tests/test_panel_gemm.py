@@ -16,14 +16,14 @@ from numba import njit
 from minipaged.kernels import cpu, reference
 from minipaged.kernels.panel_gemm import PANEL, TILE_ROWS, PanelWeight, pack, panel_linear
 from minipaged.kernels.simd import (LANES, LANES_ENV, REGISTERS, host_vector_shape, vadd, vbroadcast, vfma,
-                                    vload, vmax, vmul, vsplat, vstore, vsum, vzero)
+                                    vload, vmax, vmax_lanes, vmul, vsplat, vstore, vsum, vzero)
 
 
 @njit(cache=False)
 def _simd_roundtrip(a, b, c, s, out):
     """out rows: vzero, vsplat(s), vload(a, 3), vfma(a[0:], b[0:], c[0:]), then a store at an
     offset, vadd(a[0:], c[0:]), vbroadcast(b, 2), vmul(a[0:], b[0:]) and vmax(a[0:], b[0:]) (each
-    through vstore); returns vsum(a[0:])."""
+    through vstore); returns vsum(a[0:]) and vmax_lanes(c[0:])."""
     vstore(out[0], 0, vzero())
     vstore(out[1], 0, vsplat(s))
     vstore(out[2], 0, vload(a, 3))
@@ -33,7 +33,7 @@ def _simd_roundtrip(a, b, c, s, out):
     vstore(out[6], 0, vbroadcast(b, 2))
     vstore(out[7], 0, vmul(vload(a, 0), vload(b, 0)))
     vstore(out[8], 0, vmax(vload(a, 0), vload(b, 0)))
-    return vsum(vload(a, 0))
+    return vsum(vload(a, 0)), vmax_lanes(vload(c, 0))
 
 
 def _halving_sum(v: np.ndarray) -> np.float32:
@@ -48,7 +48,8 @@ def test_each_simd_intrinsic_means_its_numpy_expression():
     a, b, c = (rng.standard_normal(LANES + 8, dtype=np.float32) for _ in range(3))
     b[1] = a[1]                                                          # a tie: either is right
     out = np.full((9, LANES + 8), 7.0, np.float32)
-    total = _simd_roundtrip(a, b, c, np.float32(2.5), out)
+    c[LANES // 2 + 1] = 9.0                                                # the top in an upper lane
+    total, top = _simd_roundtrip(a, b, c, np.float32(2.5), out)
     np.testing.assert_array_equal(out[0, :LANES], np.zeros(LANES, np.float32))
     np.testing.assert_array_equal(out[1, :LANES], np.full(LANES, 2.5, np.float32))
     np.testing.assert_array_equal(out[2, :LANES], a[3:3 + LANES])
@@ -60,6 +61,7 @@ def test_each_simd_intrinsic_means_its_numpy_expression():
     np.testing.assert_array_equal(out[7, :LANES], a[:LANES] * b[:LANES])
     np.testing.assert_array_equal(out[8, :LANES], np.maximum(a[:LANES], b[:LANES]))
     assert total == _halving_sum(a[:LANES].copy()) and isinstance(total, float)
+    assert top == c[:LANES].max() == 9.0
     assert (out[4, :5] == 7.0).all() and (out[:4, LANES:] == 7.0).all()   # nothing past a register
 
 
@@ -196,6 +198,10 @@ _OTHER_WIDTH_CHECK = textwrap.dedent("""
     want = reference.paged_attention(q, k_cache, v_cache, table[None], np.array([70], np.int32),
                                      np.array([0, 70], np.int32), 0.125)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    # a row's maximum in registers of this width (vmax, vmax_lanes), with a tail
+    row = rng.standard_normal(4 * LANES * 3 + 5, dtype=np.float32)
+    for n in (3, 4 * LANES, 4 * LANES * 3 + 5):
+        assert cpu._row_max(row, n) == row[:n].max()
     print(LANES, PANEL, TILE_ROWS)
 """)
 
