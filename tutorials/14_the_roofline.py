@@ -63,6 +63,11 @@ Exercises (also printed at the end):
      which batch sizes? On an AVX2 CPU, run it also with MINIPAGED_SIMD_LANES=16 (AVX-512's
      shapes: 16 sums of 16 lanes asked of 16 ymm registers): what does a tile that asks for more
      registers than there are cost? (Look for vmovups to the stack in the kernel's inspect_asm().)
+  5. The same bound holds for a whole workload: run  python -m minipaged bench throughput
+     --num-prompts 8 --output-len 32  and read floor_s, floor_bound and of_floor (the
+     workload's FLOPs at the peak, or its bytes at the bandwidth, against the run's time). Then
+     --num-prompts 1: why does the bound change side? With the peers extra installed, add
+     --peer hf: max_speedup_vs_hf is the most any engine could beat the peer by on this machine.
 """
 
 import math
