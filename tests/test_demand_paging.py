@@ -177,3 +177,37 @@ def test_a_preemption_moves_exactly_what_the_step_lacks():
     scheduler.free_finished()
     plan = scheduler.schedule()
     assert len(plan.blocks_to_swap_in) == 2 and m.is_resident(groups[2].seqs[0])
+
+
+def test_suspended_requests_that_only_share_a_prefix_do_not_wait_on_each_other():
+    """Found by the scheduler's state machine: two suspended requests whose only resident blocks
+    are a cached prompt prefix they share, and a swap pool too small for more. Neither could
+    page the prefix out alone, so the one running request, then everyone, waited for ever.
+    Now the later sharer is recomputed, the prefix becomes the other's own and can go, and
+    every request finishes with the tokens it asked for."""
+    from minipaged.config import SchedulerConfig
+    from minipaged.scheduler.scheduler import Scheduler
+
+    from test_scheduler import fake_step
+
+    manager = BlockManager(11, 1, num_cpu_blocks=3, watermark=0.0, enable_prefix_caching=True)
+    scheduler = Scheduler(SchedulerConfig(10, 3, 10, preemption_mode="partial"), manager)
+    shared = [1, 1, 1, 2, 2, 1, 0]
+    wanted = {"0": 5, "1": 3, "2": 2}
+    groups = [SequenceGroup(rid, [Sequence(i * 10, prompt)], SamplingParams(max_tokens=wanted[rid]))
+              for i, (rid, prompt) in enumerate([("0", [0]), ("1", shared), ("2", shared + [0])])]
+    for g in groups:
+        scheduler.add_seq_group(g)
+    sharers_suspended = False
+    for _ in range(30):
+        if not scheduler.has_unfinished_seqs():
+            break
+        sharers_suspended |= (len(scheduler.swapped) == 2 and all(
+            manager.resident_blocks(g) and not manager.movable_blocks(g) for g in scheduler.swapped))
+        plan = fake_step(scheduler, 10)
+        assert not plan.is_empty or plan.preempted, "the scheduler stalled with work left"
+        manager.check_invariants([s for g in groups for s in g.seqs])
+    assert sharers_suspended and scheduler.num_preemptions_recompute >= 1   # the case, and its way out
+    assert not scheduler.has_unfinished_seqs()
+    assert all(g.seqs[0].num_output_tokens == wanted[g.request_id] for g in groups)
+    assert manager.num_free_blocks == 11 and manager.cpu_allocator.num_free == 3

@@ -304,6 +304,10 @@ class BlockManager:
         chosen = None if max_blocks is None else set(self.movable_blocks(group)[:max_blocks])
         return self._move(group, to_cpu=True, only=chosen)
 
+    def resident_blocks(self, group: SequenceGroup) -> set[int]:
+        """The device blocks the group's live sequences hold (shared ones included)."""
+        return {block for _, block in self._blocks_of(group, present=True)}
+
     def missing_blocks(self, group: SequenceGroup) -> int:
         """Distinct blocks of the group that are paged out (what a swap-in copies back)."""
         return len(self._blocks_of(group, present=False))

@@ -26,7 +26,8 @@ step lacks, its tail first, and keeps the rest resident; it waits in the swapped
 suspended, until its missing blocks are swapped back in, before anything new is admitted.
 If the request at the head of that queue cannot come back because later suspended ones
 hold the blocks it needs, those are paged out whole (or, without swap space, recomputed):
-nobody waits on a request that is itself waiting.
+nobody waits on a request that is itself waiting. A prefix that suspended requests share,
+which none of them can page out alone, goes by recomputing the latest of them.
 """
 
 from __future__ import annotations
@@ -365,7 +366,34 @@ class Scheduler:
         """Demand paging: take up to ``lacking`` blocks from suspended requests that still hold
         some (the latest arrival first, its tail first): they wait anyway, and they arrived
         after everyone running. Without swap space for them they are recomputed. Returns
-        whether any block was freed."""
+        whether any block was freed.
+
+        A block that several suspended requests share (a cached prompt prefix) is none of
+        theirs to page out alone, and if such blocks are all they hold, every one of them
+        waits on the others for ever. So when a pass frees too little, the latest suspended
+        request holding a device block that no running request (nor ``exclude``) holds is
+        recomputed; what it shared becomes the others' own, and the next pass can page it
+        out. (A block a running request holds stays whoever else lets go of it.)"""
+        freed = 0
+        while freed < lacking:
+            freed += self._take_movable(lacking - freed, out, exclude)
+            if freed >= lacking:
+                break
+            holders = [g for g in self.running if g not in out.preempted] + ([exclude] if exclude else [])
+            pinned = set().union(*(self.block_manager.resident_blocks(g) for g in holders))
+            sharer = next((g for g in sorted(self.swapped, key=lambda g: -g.arrival_index)
+                           if g is not exclude and self.block_manager.resident_blocks(g) - pinned), None)
+            if sharer is None:
+                break
+            free_before = self.block_manager.num_free_blocks
+            self.swapped.remove(sharer)
+            self._recompute(sharer)
+            freed += self.block_manager.num_free_blocks - free_before
+        return freed > 0
+
+    def _take_movable(self, lacking: int, out: SchedulerOutput, exclude: SequenceGroup | None) -> int:
+        """One pass of ``_page_out_suspended`` over the blocks suspended requests hold alone;
+        returns how many device blocks it freed."""
         freed = 0
         for group in sorted(self.swapped, key=lambda g: -g.arrival_index):
             if freed >= lacking:
@@ -383,7 +411,7 @@ class Scheduler:
                 self.swapped.remove(group)
                 self._recompute(group)
                 freed += movable
-        return freed > 0
+        return freed
 
     def _recompute(self, group: SequenceGroup) -> None:
         """Free the group's blocks in both pools and queue it to be computed again."""
