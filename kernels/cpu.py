@@ -295,7 +295,7 @@ def _row_max(row, n):
     return top
 
 
-@njit(fastmath=True, inline="always", cache=True)
+@njit(fastmath=True, inline="always", cache=SIMD_CACHE)
 def _softmax_step(row, n, row_max, row_sum, r):
     """One online softmax step for row r over n keys (a block, or a chunk of blocks): row[:n]
     holds their scores (-inf where the row does not read a key) and gets their e^(s - new max);
@@ -318,7 +318,7 @@ def _softmax_step(row, n, row_max, row_sum, r):
     return correction
 
 
-@njit(fastmath=True, inline="always", cache=True)
+@njit(fastmath=True, inline="always", cache=SIMD_CACHE)
 def _softmax_block(row, valid, row_max, row_sum, r, skip):
     """The loop kernel's step for one block (``_softmax_step`` over its ``valid`` keys).
     ``skip`` (block-sparse: this head does not read the block): p = 0 and the factor 1, the
@@ -487,7 +487,7 @@ def heads_together(group: int) -> int:
 # serial and threaded compilations for each storage format (float, int8, fp8 e4m3, fp8 e5m2)
 # and each number of heads scored together, compiled on first use
 _paged_attention = {(fmt, heads): two_ways(_specialize(_paged_attention_body, KV_FORMAT=fmt, HEADS_TOGETHER=heads),
-                                           "ATTENTION_PARALLEL_MIN_WORK")
+                                           "ATTENTION_PARALLEL_MIN_WORK", SIMD_CACHE)
                     for fmt in (KV_FLOAT, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2) for heads in (1, 2, 3, 4)}
 
 
@@ -813,7 +813,7 @@ def attention_work_items(query_start_loc: np.ndarray, seqs: np.ndarray) -> np.nd
     return work
 
 
-@partial(two_ways, min_work="SOFTMAX_PARALLEL_MIN_ELEMENTS")
+@partial(two_ways, min_work="SOFTMAX_PARALLEL_MIN_ELEMENTS", cache=SIMD_CACHE)   # _row_max: registers
 def _causal_softmax(scores, row_pos, scale, sums):
     """In place, row by row: exp(scale * (s - max)) over the keys the row may see (keys
     0..row_pos[r]), 0 for the causal future; sums[r] gets the row's total. One pass for
@@ -1033,7 +1033,7 @@ SKINNY_MAX_ROWS = 64
 # turn. On a 2-core Zen 3 EPYC (AVX2), one layer's four weights and the LM head, the two
 # engines alternated in one process: 72 rows 28.7 ms against BLAS's 37.7, 112 rows 41-44
 # against 48, 128 rows 48-49 against 52-54; at 144 rows BLAS won (58 against 64): the rows of x
-# (331 KB at in = 576) no longer stay in L2 beside the panel. Prefills stay with BLAS.
+# (331 KB at in = 576) no longer stay in L2 beside the panel. Longer prefills stay with BLAS.
 PANEL_MAX_ROWS = 128
 # With a packed weight, MKL takes products from this many rows. Below, reading the weight
 # bounds the product and ours is as fast or faster: whole decode steps (`bench roofline`,
@@ -1179,7 +1179,7 @@ def stream_sum(data: np.ndarray) -> float:
 
 # --------------------------------------------------------------------------- sampling
 
-@two_ways
+@partial(two_ways, cache=SIMD_CACHE)   # _row_max: registers of this machine's width
 def _logsumexp_rows(x, out):
     for r in prange(x.shape[0]):
         row = x[r]

@@ -216,6 +216,20 @@ def vmax(typingctx, a, b):
     return f32vec(a, b), codegen
 
 
+def _fold_lanes(builder, value, combine):
+    """LLVM: one float32 from a register, the upper half of its lanes combined with the lower
+    (``combine(builder, low, high)``), halving until one lane is left: log2(LANES) steps."""
+    width = LANES
+    while width > 1:
+        width //= 2
+        low = builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(ir.IntType(32), width),
+                                                               list(range(width))))
+        high = builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(ir.IntType(32), width),
+                                                                list(range(width, 2 * width))))
+        value = combine(builder, low, high)
+    return builder.extract_element(value, ir.IntType(32)(0))
+
+
 @intrinsic
 def vmax_lanes(typingctx, a):
     """a.max() as a float32: the lanes halved as in ``vsum``, with the larger of each pair kept"""
@@ -223,15 +237,7 @@ def vmax_lanes(typingctx, a):
         return None
 
     def codegen(context, builder, sig, args):
-        value, width = args[0], LANES
-        while width > 1:
-            width //= 2
-            low = builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(ir.IntType(32), width),
-                                                                   list(range(width))))
-            high = builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(ir.IntType(32), width),
-                                                                    list(range(width, 2 * width))))
-            value = builder.select(builder.fcmp_ordered(">", low, high), low, high)
-        return builder.extract_element(value, ir.IntType(32)(0))
+        return _fold_lanes(builder, args[0], lambda b, low, high: b.select(b.fcmp_ordered(">", low, high), low, high))
     return nb_types.float32(a), codegen
 
 
@@ -243,15 +249,7 @@ def vsum(typingctx, a):
         return None
 
     def codegen(context, builder, sig, args):
-        value, width = args[0], LANES
-        while width > 1:
-            width //= 2
-            low = builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(ir.IntType(32), width),
-                                                                   list(range(width))))
-            high = builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(ir.IntType(32), width),
-                                                                    list(range(width, 2 * width))))
-            value = builder.fadd(low, high)
-        return builder.extract_element(value, ir.IntType(32)(0))
+        return _fold_lanes(builder, args[0], lambda b, low, high: b.fadd(low, high))
     return nb_types.float32(a), codegen
 
 

@@ -202,6 +202,9 @@ _OTHER_WIDTH_CHECK = textwrap.dedent("""
     row = rng.standard_normal(4 * LANES * 3 + 5, dtype=np.float32)
     for n in (3, 4 * LANES, 4 * LANES * 3 + 5):
         assert cpu._row_max(row, n) == row[:n].max()
+    logits = rng.standard_normal((3, 300), dtype=np.float32)            # the sampler's normaliser, on it
+    want = np.log(np.exp(logits.astype(np.float64)).sum(axis=1))
+    np.testing.assert_allclose(cpu.logsumexp(logits), want, rtol=1e-5)
     print(LANES, PANEL, TILE_ROWS)
 """)
 
@@ -219,4 +222,4 @@ def test_panel_products_match_the_spec_at_either_register_width(lanes, tmp_path)
     assert done.stdout.split("\n")[-2] == want
     cached = [path.name for path in tmp_path.rglob("*.nbi")]          # index files of cached kernels
     assert not [name for name in cached if "panel" in name or "vector_attention" in name
-                or "prompt_attention" in name], cached
+                or "prompt_attention" in name or "row_max" in name or "logsumexp" in name], cached

@@ -163,9 +163,11 @@ def test_a_workloads_floor_counts_every_token_it_must_make(tiny_model_dir):
 
 def test_bench_sets_the_run_and_the_peer_against_the_floor(tiny_model_dir, tmp_path, monkeypatch):
     """``bench throughput --peer hf`` reports the workload's floor on this machine, the share of
-    it the run reached, and the most any engine could beat the peer by here."""
-    monkeypatch.setattr(bench, "matmul_peak", lambda: 3e9)
-    monkeypatch.setattr(bench, "read_bandwidth", lambda: 4e9)
+    it the run reached, and the most any engine could beat the peer by here. The machine is
+    probed before the run and after it; each limit takes the better reading."""
+    peaks, bandwidths = iter([3e9, 2e9]), iter([1e9, 4e9])               # before, after
+    monkeypatch.setattr(bench, "matmul_peak", lambda: next(peaks))
+    monkeypatch.setattr(bench, "read_bandwidth", lambda: next(bandwidths))
     monkeypatch.setattr(bench, "run_peer", lambda *a, **k: {"generation_tok_s": 2.0, "elapsed_s": 4.0})
     out = tmp_path / "t.json"
     args = build_parser().parse_args([
@@ -181,7 +183,9 @@ def test_bench_sets_the_run_and_the_peer_against_the_floor(tiny_model_dir, tmp_p
                                    {"matmul_peak": 3e9, "read_bandwidth": 4e9})
     floor, result = report["floor"], report["result"]
     assert {k: floor[k] for k in want} == pytest.approx(want)
-    assert floor["machine"] == {"matmul_peak": 3e9, "read_bandwidth": 4e9}
+    assert floor["machine"] == {"matmul_peak": 3e9, "read_bandwidth": 4e9,
+                                "probes": [{"matmul_peak": 3e9, "read_bandwidth": 1e9},
+                                           {"matmul_peak": 2e9, "read_bandwidth": 4e9}]}
     assert result["floor_s"] == pytest.approx(want["floor_s"]) and result["floor_bound"] == want["bound"]
     assert result["of_floor"] == pytest.approx(want["floor_s"] / result["elapsed_s"])
     assert result["max_speedup_vs_hf"] == pytest.approx(15 / want["floor_s"] / 2.0)

@@ -43,7 +43,8 @@ Run it:  python tutorials/14_the_roofline.py
 (MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
 
 Exercises (also printed at the end):
-  1. Set PANEL_MAX_ROWS in kernels/cpu.py to 0 (every batch goes to BLAS), then to 256, and
+  1. Set PANEL_MAX_ROWS and SKINNY_MAX_ROWS in kernels/cpu.py to 0 (every batch goes to BLAS;
+     with only PANEL_MAX_ROWS at 0, up to 64 rows go to _skinny_linear), then both to 256, and
      rerun  python -m minipaged bench roofline --batch-sizes 1,2,4,8,16,32,64 --prefill-lens 256
      How do the matmuls and lm_head columns move? Is BLAS's gemm the faster for the
      256-token prefill? Does step 4's micro-benchmark, on one weight that stays in

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..engine.backend import release_device_memory
+from ..engine.backend import cuda_available, release_device_memory
 from ..engine.llm_engine import LLMEngine
 from ..engine.metrics import Metrics
 from ..model.config import LlamaConfig
@@ -171,15 +171,25 @@ def library_versions(cpu_gemm: str = "auto") -> dict:
             "mkl": mkl, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS")}
 
 
-def machine_floor(engine: LLMEngine, requests: list[BenchRequest], cfg: dict) -> dict | None:
-    """The workload's floor on this CPU (``roofline.workload_floor``), with the machine probed
-    after the run; None where it does not apply: on a GPU (the probes measure the CPU) or with
-    the layers split over workers."""
-    if engine.backend.device != "cpu" or engine.cache is None or engine.parallel_config.world_size != 1:
-        return None
-    machine = {"matmul_peak": matmul_peak(), "read_bandwidth": read_bandwidth()}
+def probe_machine() -> dict:
+    """This CPU's matmul peak and read bandwidth, now (``bench roofline``'s probes)."""
+    return {"matmul_peak": matmul_peak(), "read_bandwidth": read_bandwidth()}
+
+
+def floor_applies(engine: LLMEngine) -> bool:
+    """Whether the CPU probes describe the engine's machine: not on a GPU, and not with the
+    layers split over workers."""
+    return engine.backend.device == "cpu" and engine.cache is not None and engine.parallel_config.world_size == 1
+
+
+def machine_floor(engine: LLMEngine, requests: list[BenchRequest], cfg: dict, probes: list[dict]) -> dict:
+    """The workload's floor on this CPU (``roofline.workload_floor``). The machine is probed
+    before the run and after it, and each limit takes the better reading: on a host shared
+    with other guests one probe in a slow spell would make the floor look longer than the
+    machine's."""
+    machine = {key: max(probe[key] for probe in probes) for key in probes[0]}
     floor = workload_floor(engine, [len(r.prompt) for r in requests], cfg["output_len"], machine)
-    return {**floor, "machine": machine}
+    return {**floor, "machine": {**machine, "probes": probes}}
 
 
 def warm_up(engine: LLMEngine) -> None:
@@ -235,6 +245,10 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
         vocab = LlamaConfig.from_dir(model_dir).vocab_size
         peer_requests = make_requests(args.workload, cfg, vocab, args.workload_seed)
         peer = run_peer(args.peer, str(model_dir), [r.prompt for r in peer_requests], cfg["output_len"])
+    # The machine's limits, probed before any engine of ours holds memory, and again after the run
+    # (the workload's floor; on the CPU only)
+    on_cpu = base.get("device") == "cpu" or (base.get("device", "auto") == "auto" and not cuda_available())
+    floor_probes = [probe_machine()] if args.workload in PEER_WORKLOADS and on_cpu else None
     engine = None
     for label, kwargs in runs_to_compare(args.workload, base, cfg).items():
         # Drop the previous run's engine first: on a GPU its KV pool (most of the device)
@@ -258,7 +272,9 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
         print_table(args.workload, cfg, results)
     else:
         result = results[""]
-        floor = machine_floor(engine, requests, cfg) if args.workload in PEER_WORKLOADS else None
+        floor = None
+        if floor_probes is not None and floor_applies(engine):
+            floor = machine_floor(engine, requests, cfg, [*floor_probes, probe_machine()])
         if floor is not None:
             report["floor"] = floor
             result = {**result, "floor_s": floor["floor_s"], "floor_bound": floor["bound"],

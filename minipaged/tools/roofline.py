@@ -126,7 +126,9 @@ def workload_floor(engine: LLMEngine, prompt_lens: list[int], output_len: int, m
     Each prompt is prefilled once (its last position through the LM head: the first output
     token), then each later token is one query over the prompt and the tokens before it. The
     bytes: the weights once for each of output_len steps (no token can be made before the one
-    it follows), and every K and V read and written.
+    it follows), and every K and V read and written. That is the floor of an engine that makes
+    one token per sequence a step; speculative decoding, which checks several drafted tokens
+    with one read of the weights, can go under its bytes (not its FLOPs).
     """
     query_lens, context_lens = [], []
     for prompt_len in prompt_lens:
