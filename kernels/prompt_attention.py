@@ -116,10 +116,11 @@ def _scores_1(panels, p, head_dim, k_flat, key_at, kk, scores, rows):
 
 
 @njit(fastmath=True, inline="always", cache=SIMD_CACHE)
-def _pv_6(acc, r0, c, head_dim, probs, rows, values, at_c, num_keys):
+def _pv_6(acc, r0, c, head_dim, probs, rows, values, num_keys):
     """acc[r0 .. r0 + 5, c .. c + PANEL] += probs[keys, those rows] @ values[keys, c .. c + PANEL]:
     12 registers of sums held across the chunk's keys. ``values`` is the chunk's copy, whose
-    columns c .. c + PANEL start at at_c, PANEL floats a key."""
+    columns c .. c + PANEL start at c * KEY_CHUNK, PANEL floats a key."""
+    at_c = c * KEY_CHUNK
     a0, b0 = vload(acc, r0 * head_dim + c), vload(acc, r0 * head_dim + c + LANES)
     a1, b1 = vload(acc, (r0 + 1) * head_dim + c), vload(acc, (r0 + 1) * head_dim + c + LANES)
     a2, b2 = vload(acc, (r0 + 2) * head_dim + c), vload(acc, (r0 + 2) * head_dim + c + LANES)
@@ -222,7 +223,7 @@ def _prompt_attention(q, k_flat, v_flat, block_stride, head_stride, token_stride
                         vstore(values, at + LANES, vload(v_flat, key_at[kk] + c + LANES))
                 for c in range(0, head_dim, PANEL):
                     for r0 in range(0, rows, 6):
-                        _pv_6(acc, r0, c, head_dim, scores, rows, values, c * KEY_CHUNK, num_keys)
+                        _pv_6(acc, r0, c, head_dim, scores, rows, values, num_keys)
             for r in range(count * group):
                 inv = np.float32(1.0) / row_sum[r]
                 for d in range(head_dim):

@@ -212,8 +212,13 @@ def vmax(typingctx, a, b):
         return None
 
     def codegen(context, builder, sig, args):
-        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
+        return _larger(builder, args[0], args[1])
     return f32vec(a, b), codegen
+
+
+def _larger(builder, a, b):
+    """LLVM: a where a > b, else b (lane by lane for registers)."""
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
 
 
 def _fold_lanes(builder, value, combine):
@@ -237,7 +242,7 @@ def vmax_lanes(typingctx, a):
         return None
 
     def codegen(context, builder, sig, args):
-        return _fold_lanes(builder, args[0], lambda b, low, high: b.select(b.fcmp_ordered(">", low, high), low, high))
+        return _fold_lanes(builder, args[0], _larger)
     return nb_types.float32(a), codegen
 
 
