@@ -23,7 +23,7 @@ from .kv_quant import (K_SCALE_CONSTANT, KV_FLOAT, KV_FP8_E4M3, KV_FP8_E5M2, KV_
                        dequantize, float_to_fp8, fp8_widen_scale, widen)
 from .fast_math import fast_exp
 from .layout import AttentionMetadata, BlockBounds, KVQuant
-from . import prompt_attention
+from . import persistent_decode, prompt_attention
 from .panel_gemm import PanelWeight, pack as pack_panels
 from .simd import (LANES, SIMD_CACHE, prefetch, vbroadcast, vfma, vload, vmax, vmax_lanes, vmul, vsplat, vstore,
                    vsum, vzero)
@@ -53,7 +53,9 @@ SILU_PARALLEL_MIN_ELEMENTS = 1 << 13
 def two_ways(fn, min_work: str = "PARALLEL_MIN_ELEMENTS", cache: bool = True, fastmath: bool = True,
              error_model: str = "python"):
     """Compile ``fn`` twice: serial (prange acts as range) and across threads (each cached on disk
-    when ``cache``), picked by a work size against the module threshold named ``min_work``.
+    when ``cache``), picked by a work size against the module threshold named ``min_work``
+    (``.serial`` and ``.parallel`` name each: a kernel that runs inside another's threads calls
+    the serial one).
     ``fastmath=False`` keeps IEEE arithmetic (write_kv's int8 scales must round as the spec's).
     ``error_model="numpy"``: a float division gives inf or nan for a zero divisor, as NumPy's,
     instead of testing it first to raise Python's ZeroDivisionError, a test that keeps LLVM
@@ -68,7 +70,10 @@ def two_ways(fn, min_work: str = "PARALLEL_MIN_ELEMENTS", cache: bool = True, fa
     twin.__qualname__ = fn.__qualname__ + "_serial"
     serial = njit(fastmath=fastmath, cache=cache, error_model=error_model)(twin)
     parallel = njit(fastmath=fastmath, cache=cache, parallel=True, error_model=error_model)(fn)
-    return lambda work: parallel if work >= globals()[min_work] else serial   # the threshold named
+    def pick(work):
+        return parallel if work >= globals()[min_work] else serial   # the threshold named
+    pick.serial, pick.parallel = serial, parallel
+    return pick
 
 # --------------------------------------------------------------------------- prefetch
 
@@ -1243,13 +1248,18 @@ def rotary(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarra
     return out
 
 
-@partial(two_ways, min_work="SILU_PARALLEL_MIN_ELEMENTS", error_model="numpy")
+@partial(two_ways, min_work="SILU_PARALLEL_MIN_ELEMENTS", fastmath=False, error_model="numpy")
 def _silu_and_mul(gate_up, out):
     # Two passes over a row: e^-g first, into out, then g / (1 + e^-g) * up. In one loop LLVM
     # left the serial copy's exp unvectorised: 4 ns a value against 1.5 (16 rows of SmolLM2's
     # 1536: 100 against 38 us; 30 layers of it were 3 ms of a 50 ms step at B = 16). The
     # division vectorises only without Python's zero test (error_model="numpy"): with it, the
     # second pass ran one value at a time, 0.9 of the 1.5 ns a value on a Zen 3 core.
+    # IEEE arithmetic (fastmath=False): LLVM cannot prove out and gate_up apart, so each loop
+    # checks their addresses at run time and takes a vector or a scalar copy of itself; with
+    # fastmath the two copies rounded differently (1 ulp), so a step's floats hung on where
+    # np.empty put out (the serial copy, on a Zen 3 EPYC: 65 of 67 placements after gate_up).
+    # Strict, both copies compute the same floats: 2.6 against 2.0 us for a row of 1536.
     ffn = out.shape[1]
     for t in prange(gate_up.shape[0]):
         for i in range(ffn):
@@ -1264,3 +1274,41 @@ def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
     _silu_and_mul(gate_up.size)(gate_up, out)
     return out
+
+
+# --------------------------------------------------------------------------- one sequence's step, persistent
+
+# A single sequence's decode step runs every layer in one parallel region whose threads claim
+# tasks and poll counters instead of forking and joining ~300 times (kernels/persistent_decode.py);
+# False: layer by layer, kernel by kernel, as every other step.
+PERSISTENT_DECODE = True
+
+
+# its kernels, bound to this module's: one copy for each number of heads scored together
+_PERSISTENT = {heads: persistent_decode.compile_kernel(
+    heads, ATTENTION=_vector_attention[heads].serial, RMS_NORM=_rms_norm.serial, ROTARY=_rotary_inplace.serial,
+    WRITE_KV=_write_kv.serial, SILU_AND_MUL=_silu_and_mul.serial, MERGE=_merge_partials) for heads in (1, 2, 3)}
+
+
+def persistent_layers(layers, packed, final_norm=None, lm_head=None):
+    """The model's layers (and its final norm and LM head's panels, where it holds them) as the
+    persistent decode kernel reads them (made once, no weight copied), or None where it cannot
+    (no float32 panels)."""
+    return persistent_decode.stack(layers, packed, final_norm, lm_head)
+
+
+def decode_layers(stack, hidden: np.ndarray, positions: np.ndarray, kv_cache: np.ndarray, plan: AttentionPlan,
+                  scale: float, eps: float, cos: np.ndarray, sin: np.ndarray, num_heads: int,
+                  with_head: bool = False, num_threads: int | None = None) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """One token through every layer in one persistent kernel (``kernels/persistent_decode.py``):
+    hidden (1, h) -> ((1, h) the last layer's output, and with ``with_head`` the (1, vocab) logits
+    after the final norm and the LM head, else None), the same floats as the layer-by-layer path;
+    None when the step is not one it can run (more tokens, a compressed or unusual pool,
+    PERSISTENT_DECODE or VECTOR_ATTENTION off): then the model goes layer by layer.
+    ``num_threads``: the region's iterations (default: Numba's thread count)."""
+    if not (PERSISTENT_DECODE and VECTOR_ATTENTION and persistent_decode.usable(stack, positions.shape[0], plan,
+                                                                                  kv_cache)):
+        return None
+    kernel = _PERSISTENT[vector_heads(num_heads // kv_cache.shape[3])]
+    return persistent_decode.run(kernel, stack, hidden, positions, kv_cache, plan, scale, eps, cos, sin, num_heads,
+                                 QUERY_TILE, get_num_threads() if num_threads is None else num_threads, with_head)

@@ -188,6 +188,23 @@ def _add_four_rows(a0, b0, a1, b1, a2, b2, a3, b3, c0, d0, c1, d1, c2, d2, c3, d
             vadd(a2, c2), vadd(b2, d2), vadd(a3, c3), vadd(b3, d3))
 
 
+@njit(fastmath=True, inline="always", cache=CACHE)
+def one_row(x, r, w, panel, k_dim, out, o):
+    """One row of x (flat, from x[r]) times the panel that starts at w[panel]: its PANEL sums
+    into out[o : o + PANEL], two registers, each over runs of K_RUN values of k. The single
+    sequence's loop of ``_panel_product``, and of the persistent decode kernel
+    (``kernels/persistent_decode.py``): the same sums, in the same order, in both."""
+    t0 = u0 = vzero()
+    for k0 in range(0, k_dim, K_RUN):
+        a0 = b0 = vzero()
+        for k in range(k0, min(k0 + K_RUN, k_dim)):
+            x0 = vbroadcast(x, r + k)
+            a0 = vfma(x0, vload(w, panel + k * PANEL), a0)
+            b0 = vfma(x0, vload(w, panel + k * PANEL + LANES), b0)
+        t0, u0 = vadd(t0, a0), vadd(u0, b0)
+    vstore(out, o, t0); vstore(out, o + LANES, u0)   # noqa: E702
+
+
 @njit(fastmath=True, parallel=True, cache=CACHE)
 def _panel_product(x, w, k_dim, panels, out, chunks):
     """x (rows * k_dim,) rows of x; w (panels * k_dim * PANEL,) panels; out (rows * n,).
@@ -266,15 +283,5 @@ def _panel_product(x, w, k_dim, panels, out, chunks):
                 _store_four_rows(out, m * n_dim + p * PANEL, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
                 m += 4
             while m < rows:                           # one row (a single sequence's step)
-                t0 = u0 = vzero()
-                r = m * k_dim
-                for k0 in range(0, k_dim, K_RUN):
-                    a0 = b0 = vzero()
-                    for k in range(k0, min(k0 + K_RUN, k_dim)):
-                        x0 = vbroadcast(x, r + k)
-                        a0 = vfma(x0, vload(w, panel + k * PANEL), a0)
-                        b0 = vfma(x0, vload(w, panel + k * PANEL + LANES), b0)
-                    t0, u0 = vadd(t0, a0), vadd(u0, b0)
-                o = m * n_dim + p * PANEL
-                vstore(out, o, t0); vstore(out, o + LANES, u0)   # noqa: E702
+                one_row(x, m * k_dim, w, panel, k_dim, out, m * n_dim + p * PANEL)
                 m += 1

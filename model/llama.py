@@ -131,6 +131,11 @@ class LlamaModel:
         self.packed = [PackedLayer(*(pack(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)))
                        for layer in self.layers]
         self.lm_head_packed = pack(self.lm_head) if self.lm_head is not None else None
+        # A single sequence's step runs every layer in one persistent kernel where the ops have
+        # one (the CPU's, on the panels: kernels/persistent_decode.py); views, no weight copied.
+        make_stack = getattr(ops, "persistent_layers", None)
+        self.persistent = (make_stack(self.layers, self.packed, self.final_norm, self.lm_head_packed)
+                           if make_stack and gemm is None else None)
         cos, sin = rope_tables(c, max_positions or c.max_position_embeddings)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)  # (max_positions, head_dim // 2)
         self.scale = 1.0 / float(np.sqrt(c.head_dim))
@@ -168,11 +173,38 @@ class LlamaModel:
             states on an earlier stage, None on the last stage's other ranks
         """
         ops, c = self.ops, self.config
-        num_tokens = positions.shape[0]
-        q_size, kv_size = c.q_size, c.kv_size
         split = self.shard.tp_size > 1
         hidden = self.embed[inputs] if self.shard.is_first_stage else inputs   # (T, hidden)
         plan = ops.plan_attention(meta, self.gemm)   # how attention splits this batch, for every layer
+        fused = logits = None
+        if (self.persistent is not None and positions.shape[0] == 1 and not split and layer_quant is None
+                and layer_bounds is None):
+            # one token: every row of logits_indices is row 0, its logits made in the same kernel
+            with_head = self.shard.is_last_stage and self.shard.has_lm_head and logits_indices.shape[0] > 0
+            fused = ops.decode_layers(self.persistent, hidden, positions, kv_cache, plan, self.scale,
+                                      c.rms_norm_eps, self.cos, self.sin, c.num_attention_heads, with_head)
+        if fused is not None:                # one token, every layer in one kernel: the same floats
+            hidden, logits = fused
+        else:
+            hidden = yield from self._layers(hidden, positions, kv_cache, meta, plan, layer_quant, layer_bounds)
+        if not self.shard.is_last_stage:     # the next stage goes on from here
+            return hidden
+        if not self.shard.has_lm_head:       # the same hidden states as rank 0: nothing to add
+            return None
+        if logits is not None:               # (1, vocab), once for each row asked for
+            return logits if logits_indices.shape[0] == 1 else logits[np.zeros(logits_indices.shape[0], np.int64)]
+        if logits_indices.shape[0] == 0:      # a step of prompt chunks only: nothing to sample
+            return ops.xp.empty((0, c.vocab_size), dtype=self.lm_head.dtype)
+        last = ops.rms_norm(hidden[logits_indices], self.final_norm, c.rms_norm_eps)  # (N, hidden)
+        return ops.linear(last, self.lm_head, self.lm_head_packed)            # (N, vocab)
+
+    def _layers(self, hidden, positions, kv_cache, meta: AttentionMetadata, plan, layer_quant, layer_bounds):
+        """Every layer, one kernel call after another (a generator, as ``run``): hidden (T, hidden)
+        in, the last layer's output returned."""
+        ops, c = self.ops, self.config
+        num_tokens = positions.shape[0]
+        q_size, kv_size = c.q_size, c.kv_size
+        split = self.shard.tp_size > 1
         for i, (layer, packed) in enumerate(zip(self.layers, self.packed)):
             x = ops.rms_norm(hidden, layer.input_norm, c.rms_norm_eps)          # (T, hidden)
             qkv = ops.linear(x, layer.qkv, packed.qkv)                          # (T, q + 2kv)
@@ -206,11 +238,4 @@ class LlamaModel:
                 if split:                    # all-reduce: every rank's MLP columns' share
                     out = yield out
                 part += out                                                     # into hidden's rows
-        if not self.shard.is_last_stage:     # the next stage goes on from here
-            return hidden
-        if not self.shard.has_lm_head:       # the same hidden states as rank 0: nothing to add
-            return None
-        if logits_indices.shape[0] == 0:      # a step of prompt chunks only: nothing to sample
-            return ops.xp.empty((0, c.vocab_size), dtype=self.lm_head.dtype)
-        last = ops.rms_norm(hidden[logits_indices], self.final_norm, c.rms_norm_eps)  # (N, hidden)
-        return ops.linear(last, self.lm_head, self.lm_head_packed)            # (N, vocab)
+        return hidden

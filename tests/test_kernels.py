@@ -228,6 +228,30 @@ def test_causal_softmax_matches_numpy(width):
 
 
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
+def test_silu_gives_the_same_floats_wherever_its_output_lies(threads):
+    """SiLU's loops check at run time whether out overlaps gate_up, and take a vector or a
+    scalar copy of themselves; both must round alike, or a step's floats would hang on where
+    np.empty put out. Out placed just after gate_up, further on, before it, and alone."""
+    kernel = getattr(cpu._silu_and_mul, threads)
+    rng = np.random.default_rng(7)
+    gate_up = (rng.standard_normal((4, 2 * 1536)) * 3).astype(np.float32)     # (T, 2 ffn)
+    alone = np.empty((4, 1536), np.float32)
+    kernel(gate_up, alone)
+    memory = np.empty(gate_up.size + alone.size + 4096, np.float32)
+    for gap in (1, 5, 8, 33, 1000):
+        for out_first in (False, True):
+            if out_first:
+                out = memory[:alone.size].reshape(alone.shape)
+                x = memory[alone.size + gap:alone.size + gap + gate_up.size].reshape(gate_up.shape)
+            else:
+                x = memory[:gate_up.size].reshape(gate_up.shape)
+                out = memory[gate_up.size + gap:gate_up.size + gap + alone.size].reshape(alone.shape)
+            x[...] = gate_up
+            kernel(x, out)
+            np.testing.assert_array_equal(out, alone)
+
+
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
 @pytest.mark.parametrize("tokens", [1, 3, 200])
 def test_elementwise_kernels_match_spec(monkeypatch, threads, tokens):
     for threshold in ("PARALLEL_MIN_ELEMENTS", "LIGHT_PARALLEL_MIN_ELEMENTS", "SILU_PARALLEL_MIN_ELEMENTS"):

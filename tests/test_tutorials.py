@@ -239,3 +239,13 @@ def test_t18_tensor_and_pipeline_parallelism():
     assert "each rank stopped 60 times = 2 x 30 layers" in out
     assert "{'one worker': True, 'TP=3': True, 'PP=2': True}" in out
     assert "the same tokens over Ray: True" in out
+
+
+def test_t19_one_kernel_per_step():
+    out = run_tutorial("19_one_kernel_per_step.py")
+    assert re.search(r"100,000 tasks: each run 1\.\.1 time\(s\); the counter ends at 100,0\d\d ", out)
+    assert ("30 layers, 10 phases each (one more for layer 0's first norm, one for the LM head): 302 phases "
+            "in one parallel region") in out
+    assert "the same logits, bit for bit: True; the same K/V written: True" in out
+    assert re.search(r"iterations on \d+ threads: .* The same logits: True", out)
+    assert re.search(r"layer by layer: [\d.]+ ms a token; one kernel: [\d.]+ ms \([\d.]+x\); the same tokens: True", out)

@@ -12,7 +12,8 @@ must do, and so its bound, the time it could not beat even on a perfect engine:
     bound = max(bytes / bandwidth, FLOPs / peak)
 
 Then real engine steps, timed against that bound and split into matrix products, the
-LM head, attention, the other kernels, the sampler and the Python around the model.
+LM head, attention, the other kernels, the sampler and the Python around the model (a
+single sequence's layers run as one persistent kernel, tutorial 19: one column of their own).
 Last, what the measurement taught while the CPU path was made fast: a BLAS product of a
 few rows costs far more than reading the weight once (OpenBLAS packs the whole weight
 into its own layout first, at every call), so ``kernels/cpu.py`` ``linear`` sends small
@@ -91,7 +92,7 @@ DECODE_STEPS = 4              # decode steps timed at each batch size
 PREFILL_LEN = 256             # the prompt of the prefill measured in step 3
 ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256)   # rows of the products of step 4 (256: past PANEL_MAX_ROWS)
 REPEATS = 100                 # step 4: the best of this many calls of each product
-PARTS = ("matmuls", "lm_head", "attention", "other_kernels", "sampler", "python")
+PARTS = roofline.PARTS         # matmuls, lm_head, attention, other_kernels, persistent, sampler, python
 
 
 def linear_path(rows: int, packed=None) -> str:
@@ -193,16 +194,29 @@ print("  ratio = step / bound: 1.00 would be the roofline")
 print("  the breakdown adds up to the step: matmuls (the layers' products), the LM head's product, "
       "attention, the other kernels (norms, rotary, SwiGLU, KV writes), the sampler, and the Python "
       "around the model (scheduler, inputs, outputs)")
+print("  a single sequence's layers and LM head run as one persistent kernel (tutorial 19, "
+      "kernels/persistent_decode.py): at B=1 their products, attention and small kernels are one call, "
+      "the persistent column")
+
+
+def weights_time(row) -> float:
+    """Seconds of a step spent where the weights are read: the products and the LM head (at
+    B=1 the whole persistent kernel, its attention and small kernels included)."""
+    parts = row["breakdown_s"]
+    return parts["matmuls"] + parts["persistent"] + parts["lm_head"]
+
+
 b1 = decode[0]
-share = (b1["breakdown_s"]["matmuls"] + b1["breakdown_s"]["lm_head"]) / b1["step_s"]
-print(f"  at B=1 the matrix products take {share:.0%} of the step and stream the weights at "
-      f"{b1['weight_bytes'] / (b1['breakdown_s']['matmuls'] + b1['breakdown_s']['lm_head']) / 1e9:.1f} GB/s "
+assert b1["breakdown_s"]["persistent"] > 0 and b1["breakdown_s"]["matmuls"] == 0
+share = weights_time(b1) / b1["step_s"]
+print(f"  at B=1 that kernel takes {share:.0%} of the step and streams the weights at "
+      f"{b1['weight_bytes'] / weights_time(b1) / 1e9:.1f} GB/s "
       f"(the probe read {bandwidth / 1e9:.1f} GB/s): decode is reading weights")
 for row in decode[1:]:
-    mm = (row["breakdown_s"]["matmuls"] + row["breakdown_s"]["lm_head"]) / (b1["breakdown_s"]["matmuls"]
-                                                                          + b1["breakdown_s"]["lm_head"])
+    mm = weights_time(row) / weights_time(b1)
     print(f"  B={row['batch']}: {row['bound_s'] / b1['bound_s']:.2f}x the bound of B=1, its matrix products "
-          f"{mm:.2f}x the time of B=1's (linear: {linear_path(row['batch'], model.packed[0].gate_up)}, step 4)")
+          f"{mm:.2f}x the time of B=1's layers and LM head (linear: "
+          f"{linear_path(row['batch'], model.packed[0].gate_up)}, step 4)")
 print(f"  the prefill reaches {100 * prefills[0]['fraction_of_peak']:.0f}% of the matmul peak: "
       f"{prefills[0]['gflop_s']:.0f} GFLOP/s")
 

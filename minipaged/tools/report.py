@@ -80,7 +80,7 @@ def print_roofline(report: dict) -> None:
         print("  (the better of two probes, start and end: "
               + ", ".join(f"{p['matmul_peak'] / 1e9:.0f} / {p['read_bandwidth'] / 1e9:.1f}" for p in m["probes"])
               + " GFLOP/s / GB/s)")
-    parts = ("matmuls", "lm_head", "attention", "other_kernels", "sampler", "python")
+    parts = ("matmuls", "lm_head", "attention", "other_kernels", "persistent", "sampler", "python")
     head = "  ".join(f"{p:>13}" for p in parts)
     print(f"  {'decode':>8} {'ctx':>5} {'step ms':>8} {'bound ms':>8} {'ratio':>6} {'mm GF/s':>8}  {head}")
     for r in report["decode"]:
@@ -93,4 +93,5 @@ def print_roofline(report: dict) -> None:
         cells = "  ".join(f"{r['breakdown_s'][p] * 1e3:13.2f}" for p in parts)
         print(f"  {'T=' + str(r['prompt_len']):>8} {'':>5} {r['step_s'] * 1e3:8.1f} {r['bound_s'] * 1e3:8.1f} "
               f"{r['ratio']:6.2f} {r['gflop_s']:8.1f}  {cells}   ({100 * r['fraction_of_peak']:.0f}% of peak)")
-    print("  (breakdown in ms per step; ratio = step / bound, 1.00 is the roofline)")
+    print("  (breakdown in ms per step; ratio = step / bound, 1.00 is the roofline; persistent: a single\n"
+          "   sequence's layers and LM head in one kernel, products, attention and the rest together)")

@@ -1,0 +1,341 @@
+"""Persistent decode: one sequence's whole step through every layer in one parallel region.
+
+The analogy is a busy-polling driver (Linux's NAPI, DPDK's poll-mode drivers): at high rates
+an interrupt per packet costs more than the packet, so the driver keeps its cores and polls
+for work. A decode step of one sequence is ~120 matrix products and ~200 small kernels, each
+a parallel region of its own when run one by one (``kernels/cpu.py``): each wakes the thread
+pool, splits its work evenly and joins, and between two regions the memory bus idles while
+Python calls the next. One sequence's step reads every weight once (538 MB for SmolLM2), so
+it is bound by memory, and an idle bus is time lost for good.
+
+Here the threads enter one region for all the layers (and the LM head, where this worker
+holds it) and leave at the end. The step is a fixed list of **phases**: each product (qkv, o,
+gate/up, down, the head) is a phase of tasks, a run of its weight's panels each (about
+TASK_BYTES); the work between products (norms, rotary, the KV write, SiLU, the residual adds)
+is a phase of one task; attention is a phase of the plan's work items. A thread **claims** a phase's next task by adding one to the phase's counter
+(``kernels/atomics.py``), runs it, and counts it done in a second counter; when no task is
+left it **polls** the done counter until the phase is complete, then goes on to the next
+phase. While it polls it asks for the lines of the next weight it will multiply
+(``prefetch``, up to AHEAD_BYTES of it), so the bus keeps streaming weights while the other
+thread runs attention or a norm.
+
+No thread waits for another to start: a task, once claimed, is run by the thread that
+claimed it without waiting for anything, so the step completes whether the region's
+iterations run on many threads at once or one after another on a single one (a threading
+layer may do either). And the threads take tasks as they free up: a core that the host
+lends elsewhere for a while leaves its share to the other.
+
+Each task calls the very kernels the layer-by-layer path calls, in the same order on the same
+values, so the step's logits are the same floats (``tests/test_persistent_decode.py``): the
+panels' one-row loop ``panel_gemm.one_row``, and the kernels ``kernels/cpu.py`` binds this one
+to (``compile_kernel``): the serial compilations (``two_ways(...).serial``) of its norms,
+rotary, KV write and SiLU, and its register attention kernel over one work item. The
+layer-by-layer forward of ``model/llama.py`` is this kernel's spec.
+
+It runs where all of that holds (``usable``, and ``cpu.decode_layers``): one new token (a
+single sequence's decode step), float32 weights with their panels, a float32 KV cache the
+register attention kernel reads, no block-sparse attention, no tensor-parallel split.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+from .atomics import fetch_add, load_acquire, spin_pause
+from .kv_quant import KV_FLOAT
+from .panel_gemm import PANEL, PanelWeight, one_row
+from .simd import LANES, SIMD_CACHE, prefetch
+
+# Bytes of a weight's panels in one product task: small enough that the two threads end a
+# product together (the last task is short), large enough that claiming one (an atomic add on
+# a line both cores write) is rare: 4 panels of a 576-wide weight, 1 of a 1536-wide one.
+TASK_BYTES = 128 << 10
+# How much of the next weight a polling thread asks for ahead: while the other thread runs
+# attention (~50 us at a 256-token context) one core streams ~1 MB; more would be evicted from
+# the caches before the product reads it.
+AHEAD_BYTES = 2 << 20
+# int64s from one counter to the next: 128 bytes, so that two counters never share a cache
+# line or an adjacent-line prefetch pair. A phase has two: tasks claimed, tasks done.
+STRIDE = 16
+DONE = 8
+PHASES_PER_LAYER = 10
+CACHE = SIMD_CACHE
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """The layers' weights as the kernel reads them, made once per model (``stack``)."""
+
+    input_norms: np.ndarray   # (L, hidden) float32
+    post_norms: np.ndarray    # (L, hidden) float32
+    qkv: tuple                # L flat (panels * hidden * PANEL,) float32 panels of qkv
+    o: tuple                  # L flat panels of o_proj, (panels * q_size * PANEL,)
+    gate_up: tuple            # L flat panels of gate/up, (panels * hidden * PANEL,)
+    down: tuple               # L flat panels of down, (panels * ffn * PANEL,)
+    widths: np.ndarray        # (5,) int64 padded output features: qkv, o, gate_up, down, the LM head
+    per_task: np.ndarray      # (5,) int64 panels in one task of each
+    q_size: int
+    kv_size: int
+    ffn: int
+    final_norm: np.ndarray    # (hidden,) float32 the model's last norm (zeros without a head)
+    head: np.ndarray          # flat panels of the LM head, (panels * hidden * PANEL,); (0,) without
+    vocab_size: int           # the head's output features (0 without a head)
+
+    @property
+    def has_head(self) -> bool:
+        return self.vocab_size > 0
+
+
+def stack(layers, packed, final_norm: np.ndarray | None = None, head: PanelWeight | None = None) -> LayerStack | None:
+    """The LayerStack of a model's ``layers`` (LayerWeights) and ``packed`` (PackedLayer), with
+    its ``final_norm`` and LM head's panels ``head`` where this worker holds them; None where a
+    layer's products have no float32 panels (oneMKL's packing, a GPU)."""
+    kinds = ("qkv", "o", "gate_up", "down")
+    if not layers or not all(isinstance(getattr(p, kind), PanelWeight) for p in packed for kind in kinds):
+        return None
+    panels = [[getattr(p, kind) for p in packed] for kind in kinds]
+    if any(len({(w.out_features, w.in_features) for w in ws}) != 1 for ws in panels):
+        return None   # layers of different shapes: not one kernel's tuples
+    first = [ws[0] for ws in panels]
+    hidden = first[0].in_features
+    if not isinstance(head, PanelWeight) or final_norm is None or head.in_features != hidden:
+        head, final_norm = None, None
+    weights = first + ([head] if head is not None else [])
+    widths = np.array([w.data.shape[0] * PANEL for w in weights] + [0] * (head is None), np.int64)
+    per_task = np.array([max(1, TASK_BYTES // (w.in_features * PANEL * 4)) for w in weights] + [1] * (head is None),
+                        np.int64)
+    qkv, o, _, down = first
+    kv_size = (qkv.out_features - o.in_features) // 2
+    return LayerStack(np.stack([layer.input_norm for layer in layers]).astype(np.float32),
+                      np.stack([layer.post_norm for layer in layers]).astype(np.float32),
+                      *(tuple(w.data.reshape(-1) for w in ws) for ws in panels),
+                      widths, per_task, o.in_features, kv_size, down.in_features,
+                      np.zeros(hidden, np.float32) if final_norm is None else np.asarray(final_norm, np.float32),
+                      np.zeros(0, np.float32) if head is None else head.data.reshape(-1),
+                      0 if head is None else head.out_features)
+
+
+# --------------------------------------------------------------------------- claiming and polling
+
+@njit(inline="always", cache=CACHE)
+def _claim(ctr, phase):
+    """The phase's next task number (>= its task count when none is left)."""
+    return fetch_add(ctr, phase * STRIDE, 1)
+
+
+@njit(inline="always", cache=CACHE)
+def _done(ctr, phase):
+    fetch_add(ctr, phase * STRIDE + DONE, 1)
+
+
+@njit(inline="always", cache=CACHE)
+def _wait(ctr, phase, tasks, ahead, cursor, limit):
+    """Poll until the phase's ``tasks`` are done; meanwhile ask for the lines of ``ahead`` (the
+    next weight) from byte ``cursor`` up to ``limit``. Returns the cursor reached."""
+    while load_acquire(ctr, phase * STRIDE + DONE) < tasks:
+        if cursor < limit:
+            prefetch(ahead, cursor)
+            cursor += 64
+        else:
+            spin_pause()
+    return cursor
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
+def _product(ctr, phase, x, w, k_dim, panels, per_task, out):
+    """Claim and run a product phase's tasks: x (k_dim,) times per_task panels of w each, into
+    out (panels * PANEL,). Returns the phase's task count."""
+    tasks = -(-panels // per_task)
+    task = _claim(ctr, phase)
+    while task < tasks:
+        for p in range(task * per_task, min(panels, (task + 1) * per_task)):
+            one_row(x, 0, w, p * k_dim * PANEL, k_dim, out, p * PANEL)
+        _done(ctr, phase)
+        task = _claim(ctr, phase)
+    return tasks
+
+
+@njit(inline="always", cache=CACHE)
+def _limit(w):
+    return min(w.shape[0] * 4, AHEAD_BYTES)
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
+def _add_into(hidden, out):
+    """hidden (1, h) += out[:h], out flat: the residual add."""
+    for i in range(hidden.shape[1]):
+        hidden[0, i] += out[i]
+
+
+# --------------------------------------------------------------------------- the kernel
+
+def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_out, gu, gu_flat,
+                        g, g_flat, d_out, input_norms, post_norms, qkv_w, o_w, gate_up_w, down_w,
+                        widths, per_task, eps, positions, slot_mapping, kv_cache, cos, sin,
+                        block_tables, seq_lens, query_start_loc, items, merges, scale, part_acc,
+                        part_max, part_sum, strides, no_bounds, no_scales, final_norm, head_w,
+                        logits, with_head, ctr, num_threads):
+    """Every layer of one token's step. hidden (1, h): the embedding in, the last layer's
+    output out. x / x_flat (1, h) / (h,): a norm's output; qkv_out, o_out, d_out: flat padded
+    product outputs; q (1, H, D), k, v (1, KVH, D); attn (1, H, D) and its flat view; gu (1, W)
+    gate/up and g (1, ffn) SiLU's output, each with its flat view. The phases of layer l are
+    1 + 10 l + (0..9), phase 0 is layer 0's input norm; ``with_head``: the last layer's phase 9
+    also takes the final norm into x, and phase 1 + 10 L multiplies it by the LM head's panels
+    head_w into logits (padded vocab,). ctr: ((2 + 10 L) * STRIDE,) zeros."""
+    num_layers = input_norms.shape[0]
+    q_size, kv_size = q.shape[1] * q.shape[2], k.shape[1] * k.shape[2]
+    hidden_size, ffn = x.shape[1], g.shape[1]
+    block_stride, head_stride, token_stride = strides[0], strides[1], strides[2]
+    block_size, num_kv_heads = kv_cache.shape[4], kv_cache.shape[3]
+    for _ in prange(num_threads):
+        # phase 0: layer 0's input norm, while the others ask for layer 0's qkv
+        if _claim(ctr, 0) == 0:
+            RMS_NORM(hidden, input_norms[0], eps, x)
+            _done(ctr, 0)
+        cursor = _wait(ctr, 0, 1, qkv_w[0], 0, _limit(qkv_w[0]))
+        for layer in range(num_layers):
+            base = 1 + PHASES_PER_LAYER * layer
+            k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
+            k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
+            # 0. q, k, v = x @ qkv.T
+            tasks = _product(ctr, base, x_flat, qkv_w[layer], hidden_size, widths[0] // PANEL, per_task[0], qkv_out)
+            cursor = _wait(ctr, base, tasks, o_w[layer], 0, _limit(o_w[layer]))
+            # 1. rotary on q and k, then k and v into the cache
+            if _claim(ctr, base + 1) == 0:
+                for i in range(q_size):
+                    q[0, i // q.shape[2], i % q.shape[2]] = qkv_out[i]
+                for i in range(kv_size):
+                    k[0, i // k.shape[2], i % k.shape[2]] = qkv_out[q_size + i]
+                    v[0, i // v.shape[2], i % v.shape[2]] = qkv_out[q_size + kv_size + i]
+                ROTARY(q, positions, cos, sin)
+                ROTARY(k, positions, cos, sin)
+                WRITE_KV(k_cache, v_cache, k, v, slot_mapping, KV_FLOAT, no_scales, no_scales)
+                _done(ctr, base + 1)
+            cursor = _wait(ctr, base + 1, 1, o_w[layer], cursor, _limit(o_w[layer]))
+            # 2. attention: the plan's work items, one a task
+            task = _claim(ctr, base + 2)
+            while task < items.shape[0]:
+                ATTENTION(q, k_flat, v_flat, block_stride, head_stride, token_stride, block_size,
+                          num_kv_heads, block_tables, seq_lens, query_start_loc, scale,
+                          items[task:task + 1], 1, no_bounds, no_bounds, 0, part_acc, part_max,
+                          part_sum, attn)
+                _done(ctr, base + 2)
+                task = _claim(ctr, base + 2)
+            cursor = _wait(ctr, base + 2, items.shape[0], o_w[layer], cursor, _limit(o_w[layer]))
+            # 3. the split items' partial sums merged (a long context cut over the threads)
+            if merges.shape[0]:
+                if _claim(ctr, base + 3) == 0:
+                    MERGE(part_acc, part_max, part_sum, merges, query_start_loc, q.shape[1], attn)
+                    _done(ctr, base + 3)
+                cursor = _wait(ctr, base + 3, 1, o_w[layer], cursor, _limit(o_w[layer]))
+            # 4. out = attn @ o.T
+            tasks = _product(ctr, base + 4, attn_flat, o_w[layer], q_size, widths[1] // PANEL, per_task[1], o_out)
+            cursor = _wait(ctr, base + 4, tasks, gate_up_w[layer], 0, _limit(gate_up_w[layer]))
+            # 5. hidden += out; x = rms_norm(hidden)
+            if _claim(ctr, base + 5) == 0:
+                _add_into(hidden, o_out)
+                RMS_NORM(hidden, post_norms[layer], eps, x)
+                _done(ctr, base + 5)
+            cursor = _wait(ctr, base + 5, 1, gate_up_w[layer], cursor, _limit(gate_up_w[layer]))
+            # 6. gate | up = x @ gate_up.T
+            tasks = _product(ctr, base + 6, x_flat, gate_up_w[layer], hidden_size, widths[2] // PANEL, per_task[2],
+                             gu_flat)
+            cursor = _wait(ctr, base + 6, tasks, down_w[layer], 0, _limit(down_w[layer]))
+            # 7. g = silu(gate) * up
+            if _claim(ctr, base + 7) == 0:
+                SILU_AND_MUL(gu, g)
+                _done(ctr, base + 7)
+            cursor = _wait(ctr, base + 7, 1, down_w[layer], cursor, _limit(down_w[layer]))
+            # 8. out = g @ down.T
+            tasks = _product(ctr, base + 8, g_flat, down_w[layer], ffn, widths[3] // PANEL, per_task[3], d_out)
+            last = layer + 1 == num_layers
+            following = qkv_w[min(layer + 1, num_layers - 1)]   # the next weight: the next layer's
+            if last:                                             # qkv, or the LM head (or none)
+                following = head_w
+            reach = _limit(following) if not last or with_head else 0
+            cursor = _wait(ctr, base + 8, tasks, following, 0, reach)
+            # 9. hidden += out; the next layer's input norm (the last: the final norm, for the head)
+            if _claim(ctr, base + 9) == 0:
+                _add_into(hidden, d_out)
+                if not last:
+                    RMS_NORM(hidden, input_norms[layer + 1], eps, x)
+                elif with_head:
+                    RMS_NORM(hidden, final_norm, eps, x)
+                _done(ctr, base + 9)
+            cursor = _wait(ctr, base + 9, 1, following, cursor, reach)
+        # the LM head: logits = x @ head.T
+        if with_head:
+            phase = 1 + PHASES_PER_LAYER * num_layers
+            tasks = _product(ctr, phase, x_flat, head_w, hidden_size, widths[4] // PANEL, per_task[4], logits)
+            _wait(ctr, phase, tasks, head_w, 0, 0)
+
+
+def compile_kernel(heads: int, **kernels):
+    """The kernel bound to the kernels its tasks call, given by ``kernels/cpu.py`` (its ops
+    namespace): ATTENTION (the register attention kernel's serial copy for ``heads`` query heads
+    scored together), RMS_NORM, ROTARY, WRITE_KV, SILU_AND_MUL (serial copies) and MERGE. Compiled
+    on first use, cached on disk as ``_decode_layers_<heads>``."""
+    fn = _decode_layers_body
+    copy = types.FunctionType(fn.__code__, {**fn.__globals__, **kernels}, f"_decode_layers_{heads}",
+                              fn.__defaults__, fn.__closure__)
+    copy.__qualname__ = f"_decode_layers_{heads}"
+    return njit(fastmath=True, parallel=True, cache=CACHE)(copy)
+
+
+# --------------------------------------------------------------------------- the Python side
+
+_NO_BOUNDS = np.zeros((1, 1, 1), np.float32)   # dense attention: no block bounds (keep = 0)
+_NO_SCALES = np.ones((1, 1, 1), np.float32)    # a float32 pool: no scales
+
+
+def usable(stack_: LayerStack | None, num_tokens: int, plan, kv_cache: np.ndarray) -> bool:
+    """Whether this step can run as one persistent kernel: a single decode token, a stack of
+    panels, a float32 pool laid out as the register attention kernel reads it."""
+    return (stack_ is not None and num_tokens == 1 and len(plan.prompt_seqs) == 0 and len(plan.items) > 0
+            and kv_cache.dtype == np.float32 and kv_cache.flags.c_contiguous and kv_cache.shape[-1] % LANES == 0)
+
+
+def run(kernel, stack_: LayerStack, hidden: np.ndarray, positions: np.ndarray, kv_cache: np.ndarray,
+        plan, scale: float, eps: float, cos: np.ndarray, sin: np.ndarray, num_heads: int,
+        query_tile: int, num_threads: int, with_head: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """One token through every layer with ``kernel`` (``compile_kernel``): hidden (1, h) the
+    embedding -> ((1, h) the last layer's output (before the final norm), and with
+    ``with_head`` (the stack has a head) its (1, vocab) logits, else None). kv_cache: (layers, 2,
+    blocks, kv_heads, block_size, head_dim), this token's K and V are written at
+    plan.meta.slot_mapping; query_tile: the attention kernel's tile (its partial sums' rows)."""
+    with_head = bool(with_head and stack_.has_head)
+    meta = plan.meta
+    num_layers, hidden_size = stack_.input_norms.shape
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[5]
+    widths = stack_.widths
+    hidden = np.array(hidden, dtype=np.float32, order="C")                  # (1, h), written in place
+    x = np.empty((1, hidden_size), np.float32)                              # (1, h) a norm's output
+    qkv_out = np.empty(int(widths[0]), np.float32)                          # (padded q + 2 kv,)
+    q = np.empty((1, num_heads, head_dim), np.float32)                      # (1, H, D)
+    k = np.empty((1, num_kv_heads, head_dim), np.float32)                   # (1, KVH, D)
+    v = np.empty((1, num_kv_heads, head_dim), np.float32)                   # (1, KVH, D)
+    attn = np.empty((1, num_heads, head_dim), np.float32)                   # (1, H, D)
+    o_out = np.empty(int(widths[1]), np.float32)                            # (padded h,)
+    gu = np.empty((1, int(widths[2])), np.float32)                          # (1, padded 2 ffn)
+    g = np.empty((1, stack_.ffn), np.float32)                               # (1, ffn)
+    d_out = np.empty(int(widths[3]), np.float32)                            # (padded h,)
+    slots = int(plan.merges[:, 3].sum()) if len(plan.merges) else 0
+    rows = query_tile * num_heads
+    part_acc = np.empty((slots, rows, head_dim), np.float32)                # (slots, rows, D)
+    part_max = np.empty((slots, rows), np.float32)                          # (slots, rows)
+    part_sum = np.empty((slots, rows), np.float32)                          # (slots, rows)
+    strides = np.array([st // 4 for st in kv_cache.strides[2:5]], np.int64)  # block, head, token
+    logits = np.empty(int(widths[4]) if with_head else 0, np.float32)       # (padded vocab,)
+    ctr = np.zeros((2 + PHASES_PER_LAYER * num_layers) * STRIDE, np.int64)  # claimed / done counters
+    kernel(hidden, x, x.reshape(-1), qkv_out, q, k, v, attn, attn.reshape(-1), o_out, gu, gu.reshape(-1),
+           g, g.reshape(-1), d_out, stack_.input_norms, stack_.post_norms, stack_.qkv, stack_.o,
+           stack_.gate_up, stack_.down, widths, stack_.per_task, np.float32(eps),
+           np.ascontiguousarray(positions, dtype=np.int64), meta.slot_mapping, kv_cache, cos, sin,
+           meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.items, plan.merges,
+           np.float32(scale), part_acc, part_max, part_sum, strides, _NO_BOUNDS, _NO_SCALES,
+           stack_.final_norm, stack_.head, logits, with_head, ctr, max(1, num_threads))
+    return hidden, (logits[None, :stack_.vocab_size] if with_head else None)

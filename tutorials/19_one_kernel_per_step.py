@@ -1,0 +1,159 @@
+"""Tutorial 19: one kernel per step, or a single sequence's decode without forks and joins.
+
+Goal: make the one-sequence decode step (a chat, ``bench single-stream``) run at the speed
+of memory. That step reads every weight once, 538 MB for SmolLM2, and does almost no
+arithmetic, so the memory bus should never rest. Run kernel by kernel (``kernels/cpu.py``),
+the step is ~120 matrix products and ~200 small kernels (norms, rotary, the KV write,
+attention, SiLU), each its own parallel region: Python calls it, the thread pool wakes, the
+work is split evenly, the threads join. Between two products the bus idles. The persistent
+kernel (``kernels/persistent_decode.py``) runs every layer in one parallel region instead:
+
+- the step is a fixed list of **phases**: a product's phase has many tasks (a run of its
+  weight's panels each; the LM head's is the last phase); a norm, rotary with the KV write,
+  SiLU, the residual adds are phases of one task; attention has one task per work item;
+- a thread **claims** a phase's next task by adding one to a counter, atomically
+  (``kernels/atomics.py``: the futex word of the analogy), runs it, and counts it done;
+- a thread with nothing left to claim **polls** the phase's done counter until the phase is
+  complete, and meanwhile asks the memory for the next weight it will multiply, so that the
+  bus streams weights while the other thread runs attention or a norm.
+
+We:
+
+1. claim tasks from one counter on two threads, and check every task was run exactly once;
+2. run a real single-sequence step both ways and compare the logits and the K/V written: the
+   same floats, bit for bit, since every task calls the very kernels the layer-by-layer path
+   calls, in the same order;
+3. run the kernel with more iterations than threads (some run one after another): it still
+   completes, because no thread ever waits for another to *start*, only for claimed work;
+4. time a short generation both ways (a ratio, not asserted: it depends on the machine).
+
+The OS analogy: a busy-polling driver (Linux's NAPI, DPDK's poll-mode drivers). At high
+packet rates an interrupt per packet costs more than the packet, so the driver keeps its
+cores and polls a ring for work instead of sleeping and being woken each time. Here the
+"interrupts" are the thread pool's wake-ups and joins, ~300 of them a step.
+
+Run it:  python tutorials/19_one_kernel_per_step.py
+(MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
+
+Exercises (also printed at the end):
+  1. Set TASK_BYTES in kernels/persistent_decode.py to 16 KB, then to 4 MB (clear the
+     kernels' __pycache__ after each edit: Numba caches the kernel by its source file), and
+     rerun step 4. Which costs more: claiming many small tasks, or the two threads finishing
+     a product at different times?
+  2. Set AHEAD_BYTES to 0, so that a polling thread only polls. How much slower is the step?
+     Which phases does the other thread spend its time in?
+  3. Why may a task never wait for another task of the same phase? Sketch a phase where it
+     would, and the iterations of step 3 that would then never finish.
+"""
+
+import os
+import time
+
+from minipaged import LLMEngine, SamplingParams  # before numpy: it sets up numpy's thread pools
+import numpy as np
+from numba import get_num_threads, njit, prange
+
+from minipaged.kernels import cpu, persistent_decode
+from minipaged.kernels.atomics import fetch_add
+
+MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
+TASKS = 100_000           # step 1: tasks handed out from one counter
+TOKENS = 32               # step 4: tokens generated each way
+
+
+@njit(parallel=True)
+def claim_all(counter, runs, iterations):
+    """Each iteration claims task numbers from counter[0] until none is left; runs[i] counts
+    how many times task i was run (an owned write: exactly one thread writes it)."""
+    for _ in prange(iterations):
+        task = fetch_add(counter, 0, 1)
+        while task < runs.shape[0]:
+            runs[task] += 1
+            task = fetch_add(counter, 0, 1)
+
+
+print(f"1. Claiming tasks from one counter ({get_num_threads()} threads)")
+counter = np.zeros(1, np.int64)
+runs = np.zeros(TASKS, np.int64)
+claim_all(counter, runs, get_num_threads())
+print(f"  {TASKS:,} tasks: each run {runs.min()}..{runs.max()} time(s); the counter ends at {counter[0]:,} "
+      f"(every iteration's last claim found no task left)")
+assert runs.min() == runs.max() == 1 and counter[0] == TASKS + get_num_threads()
+
+print(f"\n2. One step of one sequence, layer by layer and as one kernel ({MODEL})")
+engine = LLMEngine(MODEL, device="cpu", num_blocks=64, max_model_len=512, log_stats_interval=0)
+model, c = engine.runner.model, engine.model_config
+stack = model.persistent              # the layers as the kernel reads them: views of the panels
+print(f"  {c.num_hidden_layers} layers, {persistent_decode.PHASES_PER_LAYER} phases each "
+      f"(one more for layer 0's first norm, one for the LM head): "
+      f"{2 + persistent_decode.PHASES_PER_LAYER * c.num_hidden_layers} phases in one parallel region")
+per = stack.per_task
+print(f"  a product task is a run of {per[0]} panels of qkv and gate/up ({c.hidden_size} inputs), "
+      f"{per[3]} of down ({c.intermediate_size}): about {persistent_decode.TASK_BYTES >> 10} KB of weights")
+engine.add_request("chat", "The operating system keeps a page table for every process, so that",
+                   SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
+engine.step()                         # the prompt, and its first token
+caught = {}
+execute = engine.runner.execute
+
+
+def catch(model_input, kv_cache, *rest):   # the next step's inputs, as the runner gets them
+    caught["step"] = (model_input, kv_cache)
+    return execute(model_input, kv_cache, *rest)
+
+
+engine.runner.execute = catch
+engine.step()
+engine.runner.execute = execute
+step, kv = caught["step"]
+meta = engine.runner._device_meta(step.meta)
+print(f"  the step: {step.input_ids.shape[0]} token at position {int(step.positions[0])}, its K/V to slot "
+      f"{int(meta.slot_mapping[0])}")
+logits, pools = {}, {}
+for on in (False, True):
+    cpu.PERSISTENT_DECODE = on
+    pool = kv.copy()                  # each way writes this token's K/V into its own copy
+    logits[on] = model.forward(step.input_ids, step.positions, pool, meta, step.logits_indices)
+    pools[on] = pool
+same_logits = np.array_equal(logits[True], logits[False])
+same_kv = np.array_equal(pools[True], pools[False])
+print(f"  the same logits, bit for bit: {same_logits}; the same K/V written: {same_kv}")
+assert same_logits and same_kv
+
+print("\n3. More iterations than threads")
+plan = cpu.plan_attention(meta)
+hidden = model.embed[step.input_ids]
+args = (plan, model.scale, c.rms_norm_eps, model.cos, model.sin, c.num_attention_heads)
+_, expected = cpu.decode_layers(stack, hidden, step.positions, kv.copy(), *args, with_head=True)   # (1, vocab)
+more = get_num_threads() + 1
+_, got = cpu.decode_layers(stack, hidden, step.positions, kv.copy(), *args, with_head=True, num_threads=more)
+print(f"  {more} iterations on {get_num_threads()} threads: one thread runs two of them, one after the "
+      f"other; the second finds every phase done and passes through. The same logits: "
+      f"{np.array_equal(got, expected)}")
+assert np.array_equal(got, expected) and np.array_equal(got, logits[True])
+
+print(f"\n4. A short generation both ways ({TOKENS} tokens, alternated, the best of 3 each)")
+best = {False: float("inf"), True: float("inf")}
+tokens = {}
+for _ in range(3):
+    for on in (False, True):
+        cpu.PERSISTENT_DECODE = on
+        engine.add_request(f"timed-{on}", "A thread that finds the lock taken can sleep or spin;",
+                           SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
+        engine.step()                 # the prompt: layer by layer either way
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[on] = out.outputs[0].token_ids
+        best[on] = min(best[on], (time.perf_counter() - start) / (TOKENS - 1))
+cpu.PERSISTENT_DECODE = True
+print(f"  layer by layer: {best[False] * 1e3:.1f} ms a token; one kernel: {best[True] * 1e3:.1f} ms "
+      f"({best[False] / best[True]:.2f}x); the same tokens: {tokens[True] == tokens[False]}")
+assert tokens[True] == tokens[False]
+print("  docs/benchmarks.md records the measured step against the machine's bandwidth bound "
+      "(python -m minipaged bench single-stream, bench roofline)")
+
+print("\nDone: one parallel region a step; threads claim tasks and poll counters instead of "
+      "being forked and joined, and the polling thread keeps the memory busy.")
+print("\nExercises:\n" + __doc__.split("Exercises (also printed at the end):\n")[1].split("\n\n")[0].rstrip())
