@@ -191,9 +191,8 @@ def _add_four_rows(a0, b0, a1, b1, a2, b2, a3, b3, c0, d0, c1, d1, c2, d2, c3, d
 @njit(fastmath=True, inline="always", cache=CACHE)
 def one_row(x, r, w, panel, k_dim, out, o):
     """One row of x (flat, from x[r]) times the panel that starts at w[panel]: its PANEL sums
-    into out[o : o + PANEL], two registers, each over runs of K_RUN values of k. The single
-    sequence's loop of ``_panel_product``, and of the persistent decode kernel
-    (``kernels/persistent_decode.py``): the same sums, in the same order, in both."""
+    into out[o : o + PANEL], two registers, each over runs of K_RUN values of k: the single
+    rows' loop of ``panel_rows``."""
     t0 = u0 = vzero()
     for k0 in range(0, k_dim, K_RUN):
         a0 = b0 = vzero()
@@ -205,83 +204,95 @@ def one_row(x, r, w, panel, k_dim, out, o):
     vstore(out, o, t0); vstore(out, o + LANES, u0)   # noqa: E702
 
 
+@njit(fastmath=True, inline="always", cache=CACHE)
+def panel_rows(x, w, k_dim, rows, out, n_dim, p, first):
+    """Every row of x (flat, rows x k_dim; rows 1 or a multiple of 4) times panel p of w (flat
+    panels), into out (flat, rows x n_dim) at columns [PANEL p, PANEL (p + 1)): the tiles of
+    TILE_ROWS, then of 4, then single rows; ``first``: the pass over the first panel of a run,
+    which no earlier pass asked ahead for (``_pass_plan``). The body of ``_panel_product``'s
+    panel loop, and of the persistent decode kernel's product tasks
+    (``kernels/persistent_decode.py``): the same sums, in the same order, in both."""
+    six_rows_end = 12 * (rows // 12) if TILE_ROWS == 6 else 0   # rows [0, end) in tiles of 6
+    panel = p * k_dim * PANEL                 # where panel p starts in w
+    m = 0
+    while TILE_ROWS == 8 and m + 8 <= rows:   # a tile of 8 rows: 16 registers of sums
+        t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()   # the rows' totals
+        t4 = u4 = t5 = u5 = t6 = u6 = t7 = u7 = vzero()
+        r = m * k_dim                         # row m of x
+        own, row, share, due = _pass_plan(m, 8, rows, k_dim, first)
+        for k0 in range(0, k_dim, K_RUN):
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
+            a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = vzero()
+            for k in range(k0, min(k0 + K_RUN, k_dim)):
+                due, row = _prefetch_next(w, panel, k, k_dim, own, due, row, share)
+                lo = vload(w, panel + k * PANEL)             # w[PANEL p : PANEL p + LANES, k]
+                hi = vload(w, panel + k * PANEL + LANES)     # the next LANES features
+                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
+                                                            a0, b0, a1, b1, a2, b2, a3, b3)
+                a4, b4, a5, b5, a6, b6, a7, b7 = _four_rows(x, r + 4 * k_dim, k_dim, k, lo, hi,
+                                                            a4, b4, a5, b5, a6, b6, a7, b7)
+            t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
+                                                            a0, b0, a1, b1, a2, b2, a3, b3)
+            t4, u4, t5, u5, t6, u6, t7, u7 = _add_four_rows(t4, u4, t5, u5, t6, u6, t7, u7,
+                                                            a4, b4, a5, b5, a6, b6, a7, b7)
+        o = m * n_dim + p * PANEL             # out[m, PANEL p]
+        _store_four_rows(out, o, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
+        _store_four_rows(out, o + 4 * n_dim, n_dim, t4, u4, t5, u5, t6, u6, t7, u7)
+        m += 8
+    while m < six_rows_end:                   # a tile of 6 rows: 12 registers of sums
+        t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = t4 = u4 = t5 = u5 = vzero()
+        r = m * k_dim
+        own, row, share, due = _pass_plan(m, 6, rows, k_dim, first)
+        for k0 in range(0, k_dim, K_RUN):
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = a4 = b4 = a5 = b5 = vzero()
+            for k in range(k0, min(k0 + K_RUN, k_dim)):
+                due, row = _prefetch_next(w, panel, k, k_dim, own, due, row, share)
+                lo = vload(w, panel + k * PANEL)
+                hi = vload(w, panel + k * PANEL + LANES)
+                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
+                                                            a0, b0, a1, b1, a2, b2, a3, b3)
+                a4, b4, a5, b5 = _two_rows(x, r + 4 * k_dim, k_dim, k, lo, hi, a4, b4, a5, b5)
+            t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
+                                                            a0, b0, a1, b1, a2, b2, a3, b3)
+            t4, u4, t5, u5 = vadd(t4, a4), vadd(u4, b4), vadd(t5, a5), vadd(u5, b5)
+        o = m * n_dim + p * PANEL
+        _store_four_rows(out, o, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
+        vstore(out, o + 4 * n_dim, t4); vstore(out, o + 4 * n_dim + LANES, u4)   # noqa: E702
+        vstore(out, o + 5 * n_dim, t5); vstore(out, o + 5 * n_dim + LANES, u5)   # noqa: E702
+        m += 6
+    while m + 4 <= rows:                      # a tile of 4 rows: 8 registers of sums
+        t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
+        r = m * k_dim
+        own, row, share, due = _pass_plan(m, 4, rows, k_dim, first)
+        for k0 in range(0, k_dim, K_RUN):
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
+            for k in range(k0, min(k0 + K_RUN, k_dim)):
+                due, row = _prefetch_next(w, panel, k, k_dim, own, due, row, share)
+                lo = vload(w, panel + k * PANEL)
+                hi = vload(w, panel + k * PANEL + LANES)
+                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
+                                                            a0, b0, a1, b1, a2, b2, a3, b3)
+            t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
+                                                            a0, b0, a1, b1, a2, b2, a3, b3)
+        _store_four_rows(out, m * n_dim + p * PANEL, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
+        m += 4
+    while m < rows:                           # one row (a single sequence's step)
+        one_row(x, m * k_dim, w, panel, k_dim, out, m * n_dim + p * PANEL)
+        m += 1
+
+
 @njit(fastmath=True, parallel=True, cache=CACHE)
 def _panel_product(x, w, k_dim, panels, out, chunks):
     """x (rows * k_dim,) rows of x; w (panels * k_dim * PANEL,) panels; out (rows * n,).
 
-    rows is 1 or a multiple of 4. Thread c takes panels [c P / chunks, (c + 1) P / chunks).
-    Each sum runs over K_RUN values of k at most, then joins its row's total. With tiles of 6
-    rows (AVX2) they come in pairs, so that the rows after them stay a multiple of 4.
+    rows is 1 or a multiple of 4. Thread c takes panels [c P / chunks, (c + 1) P / chunks),
+    each through ``panel_rows``. Each sum runs over K_RUN values of k at most, then joins its
+    row's total. With tiles of 6 rows (AVX2) they come in pairs, so that the rows after them
+    stay a multiple of 4.
     """
     rows = x.shape[0] // k_dim
     n_dim = panels * PANEL
-    six_rows_end = 12 * (rows // 12) if TILE_ROWS == 6 else 0   # rows [0, end) in tiles of 6
     for c in prange(chunks):
         first_panel = c * panels // chunks
         for p in range(first_panel, (c + 1) * panels // chunks):
-            panel = p * k_dim * PANEL                 # where panel p starts in w
-            m = 0
-            while TILE_ROWS == 8 and m + 8 <= rows:   # a tile of 8 rows: 16 registers of sums
-                t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()   # the rows' totals
-                t4 = u4 = t5 = u5 = t6 = u6 = t7 = u7 = vzero()
-                r = m * k_dim                         # row m of x
-                own, row, share, due = _pass_plan(m, 8, rows, k_dim, p == first_panel)
-                for k0 in range(0, k_dim, K_RUN):
-                    a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
-                    a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = vzero()
-                    for k in range(k0, min(k0 + K_RUN, k_dim)):
-                        due, row = _prefetch_next(w, panel, k, k_dim, own, due, row, share)
-                        lo = vload(w, panel + k * PANEL)             # w[PANEL p : PANEL p + LANES, k]
-                        hi = vload(w, panel + k * PANEL + LANES)     # the next LANES features
-                        a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
-                                                                    a0, b0, a1, b1, a2, b2, a3, b3)
-                        a4, b4, a5, b5, a6, b6, a7, b7 = _four_rows(x, r + 4 * k_dim, k_dim, k, lo, hi,
-                                                                    a4, b4, a5, b5, a6, b6, a7, b7)
-                    t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
-                                                                    a0, b0, a1, b1, a2, b2, a3, b3)
-                    t4, u4, t5, u5, t6, u6, t7, u7 = _add_four_rows(t4, u4, t5, u5, t6, u6, t7, u7,
-                                                                    a4, b4, a5, b5, a6, b6, a7, b7)
-                o = m * n_dim + p * PANEL             # out[m, PANEL p]
-                _store_four_rows(out, o, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
-                _store_four_rows(out, o + 4 * n_dim, n_dim, t4, u4, t5, u5, t6, u6, t7, u7)
-                m += 8
-            while m < six_rows_end:                   # a tile of 6 rows: 12 registers of sums
-                t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = t4 = u4 = t5 = u5 = vzero()
-                r = m * k_dim
-                own, row, share, due = _pass_plan(m, 6, rows, k_dim, p == first_panel)
-                for k0 in range(0, k_dim, K_RUN):
-                    a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = a4 = b4 = a5 = b5 = vzero()
-                    for k in range(k0, min(k0 + K_RUN, k_dim)):
-                        due, row = _prefetch_next(w, panel, k, k_dim, own, due, row, share)
-                        lo = vload(w, panel + k * PANEL)
-                        hi = vload(w, panel + k * PANEL + LANES)
-                        a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
-                                                                    a0, b0, a1, b1, a2, b2, a3, b3)
-                        a4, b4, a5, b5 = _two_rows(x, r + 4 * k_dim, k_dim, k, lo, hi, a4, b4, a5, b5)
-                    t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
-                                                                    a0, b0, a1, b1, a2, b2, a3, b3)
-                    t4, u4, t5, u5 = vadd(t4, a4), vadd(u4, b4), vadd(t5, a5), vadd(u5, b5)
-                o = m * n_dim + p * PANEL
-                _store_four_rows(out, o, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
-                vstore(out, o + 4 * n_dim, t4); vstore(out, o + 4 * n_dim + LANES, u4)   # noqa: E702
-                vstore(out, o + 5 * n_dim, t5); vstore(out, o + 5 * n_dim + LANES, u5)   # noqa: E702
-                m += 6
-            while m + 4 <= rows:                      # a tile of 4 rows: 8 registers of sums
-                t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
-                r = m * k_dim
-                own, row, share, due = _pass_plan(m, 4, rows, k_dim, p == first_panel)
-                for k0 in range(0, k_dim, K_RUN):
-                    a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
-                    for k in range(k0, min(k0 + K_RUN, k_dim)):
-                        due, row = _prefetch_next(w, panel, k, k_dim, own, due, row, share)
-                        lo = vload(w, panel + k * PANEL)
-                        hi = vload(w, panel + k * PANEL + LANES)
-                        a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi,
-                                                                    a0, b0, a1, b1, a2, b2, a3, b3)
-                    t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
-                                                                    a0, b0, a1, b1, a2, b2, a3, b3)
-                _store_four_rows(out, m * n_dim + p * PANEL, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
-                m += 4
-            while m < rows:                           # one row (a single sequence's step)
-                one_row(x, m * k_dim, w, panel, k_dim, out, m * n_dim + p * PANEL)
-                m += 1
+            panel_rows(x, w, k_dim, rows, out, n_dim, p, p == first_panel)

@@ -1,8 +1,8 @@
-"""Persistent decode: one sequence's whole step through every layer in one parallel region.
+"""Persistent decode: a step of a few sequences through every layer in one parallel region.
 
 The analogy is a busy-polling driver (Linux's NAPI, DPDK's poll-mode drivers): at high rates
 an interrupt per packet costs more than the packet, so the driver keeps its cores and polls
-for work. A decode step of one sequence is ~120 matrix products and ~200 small kernels, each
+for work. A decode step of one to a few sequences is ~120 matrix products and ~200 small kernels, each
 a parallel region of its own when run one by one (``kernels/cpu.py``): each wakes the thread
 pool, splits its work evenly and joins, and between two regions the memory bus idles while
 Python calls the next. One sequence's step reads every weight once (538 MB for SmolLM2), so
@@ -32,9 +32,11 @@ to (``compile_kernel``): the serial compilations (``two_ways(...).serial``) of i
 rotary, KV write and SiLU, and its register attention kernel over one work item. The
 layer-by-layer forward of ``model/llama.py`` is this kernel's spec.
 
-It runs where all of that holds (``usable``, and ``cpu.decode_layers``): one new token (a
-single sequence's decode step), float32 weights with their panels, a float32 KV cache the
-register attention kernel reads, no block-sparse attention, no tensor-parallel split.
+It runs where all of that holds (``usable``, and ``cpu.decode_layers``): up to MAX_TOKENS new
+tokens (decodes of up to four sequences, or a short prompt chunk beside them), every one read
+by the paged attention kernel, float32 weights with their panels, a float32 KV cache the
+register attention kernel reads, no block-sparse attention, no tensor-parallel split. Rows are
+padded with zeros to a tile of the panels (4), as ``panel_gemm.panel_linear`` pads them.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from numba import njit, prange
 
 from .atomics import fetch_add, load_acquire, spin_pause
 from .kv_quant import KV_FLOAT
-from .panel_gemm import PANEL, PanelWeight, one_row
+from .panel_gemm import PANEL, ROW_TILE, PanelWeight, panel_rows
 from .simd import LANES, SIMD_CACHE, prefetch
 
 # Bytes of a weight's panels in one product task: small enough that the two threads end a
@@ -63,6 +65,10 @@ AHEAD_BYTES = 2 << 20
 STRIDE = 16
 DONE = 8
 PHASES_PER_LAYER = 10
+# Most tokens a step may have to run here: decode steps of up to 4 sequences (rows padded to 4,
+# one tile of the panels). Larger batches keep the kernel-by-kernel path, whose small kernels
+# (norms, SiLU, the KV write) split their rows over the threads.
+MAX_TOKENS = 4
 CACHE = SIMD_CACHE
 
 
@@ -145,15 +151,18 @@ def _wait(ctr, phase, tasks, ahead, cursor, limit):
     return cursor
 
 
-@njit(fastmath=True, inline="always", cache=CACHE)
-def _product(ctr, phase, x, w, k_dim, panels, per_task, out):
-    """Claim and run a product phase's tasks: x (k_dim,) times per_task panels of w each, into
-    out (panels * PANEL,). Returns the phase's task count."""
+@njit(fastmath=True, cache=CACHE)
+def _product(ctr, phase, x, w, k_dim, panels, per_task, out, rows):
+    """Claim and run a product phase's tasks: x (rows * k_dim,) times per_task panels of w each,
+    into out (rows * panels * PANEL,), through the panels' own loops (``panel_rows``). Returns
+    the phase's task count. A function of its own, not inlined: the kernel calls it for five
+    weights, and five copies of the panels' loops took minutes to compile."""
     tasks = -(-panels // per_task)
     task = _claim(ctr, phase)
     while task < tasks:
-        for p in range(task * per_task, min(panels, (task + 1) * per_task)):
-            one_row(x, 0, w, p * k_dim * PANEL, k_dim, out, p * PANEL)
+        first = task * per_task
+        for p in range(first, min(panels, first + per_task)):
+            panel_rows(x, w, k_dim, rows, out, panels * PANEL, p, p == first)
         _done(ctr, phase)
         task = _claim(ctr, phase)
     return tasks
@@ -165,10 +174,11 @@ def _limit(w):
 
 
 @njit(fastmath=True, inline="always", cache=CACHE)
-def _add_into(hidden, out):
-    """hidden (1, h) += out[:h], out flat: the residual add."""
-    for i in range(hidden.shape[1]):
-        hidden[0, i] += out[i]
+def _add_into(hidden, out, width):
+    """hidden (R, h) += out's rows (flat, R x width, the first h of each): the residual add."""
+    for t in range(hidden.shape[0]):
+        for i in range(hidden.shape[1]):
+            hidden[t, i] += out[t * width + i]
 
 
 # --------------------------------------------------------------------------- the kernel
@@ -179,15 +189,18 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
                         block_tables, seq_lens, query_start_loc, items, merges, scale, part_acc,
                         part_max, part_sum, strides, no_bounds, no_scales, final_norm, head_w,
                         logits, with_head, ctr, num_threads):
-    """Every layer of one token's step. hidden (1, h): the embedding in, the last layer's
-    output out. x / x_flat (1, h) / (h,): a norm's output; qkv_out, o_out, d_out: flat padded
-    product outputs; q (1, H, D), k, v (1, KVH, D); attn (1, H, D) and its flat view; gu (1, W)
-    gate/up and g (1, ffn) SiLU's output, each with its flat view. The phases of layer l are
+    """Every layer of a step of T tokens, in R rows (T, or T padded with zero rows to a multiple
+    of 4, as the panels take them). hidden (R, h): the embeddings in, the last layer's output
+    out. x / x_flat (R, h) / (R * h,): a norm's output; qkv_out, o_out, d_out: flat (R x padded
+    width) product outputs; q (T, H, D), k, v (T, KVH, D); attn (R, H, D) and its flat view;
+    gu (R, W) gate/up and g (R, ffn) SiLU's output, each with its flat view. Rows T..R-1 stay
+    zero: norms, products and SiLU keep a zero row zero. The phases of layer l are
     1 + 10 l + (0..9), phase 0 is layer 0's input norm; ``with_head``: the last layer's phase 9
     also takes the final norm into x, and phase 1 + 10 L multiplies it by the LM head's panels
-    head_w into logits (padded vocab,). ctr: ((2 + 10 L) * STRIDE,) zeros."""
+    head_w into logits (R x padded vocab,). ctr: ((2 + 10 L) * STRIDE,) zeros."""
     num_layers = input_norms.shape[0]
     q_size, kv_size = q.shape[1] * q.shape[2], k.shape[1] * k.shape[2]
+    tokens, rows = q.shape[0], x.shape[0]
     hidden_size, ffn = x.shape[1], g.shape[1]
     block_stride, head_stride, token_stride = strides[0], strides[1], strides[2]
     block_size, num_kv_heads = kv_cache.shape[4], kv_cache.shape[3]
@@ -202,15 +215,18 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
             k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
             k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
             # 0. q, k, v = x @ qkv.T
-            tasks = _product(ctr, base, x_flat, qkv_w[layer], hidden_size, widths[0] // PANEL, per_task[0], qkv_out)
+            tasks = _product(ctr, base, x_flat, qkv_w[layer], hidden_size, widths[0] // PANEL, per_task[0], qkv_out,
+                             rows)
             cursor = _wait(ctr, base, tasks, o_w[layer], 0, _limit(o_w[layer]))
             # 1. rotary on q and k, then k and v into the cache
             if _claim(ctr, base + 1) == 0:
-                for i in range(q_size):
-                    q[0, i // q.shape[2], i % q.shape[2]] = qkv_out[i]
-                for i in range(kv_size):
-                    k[0, i // k.shape[2], i % k.shape[2]] = qkv_out[q_size + i]
-                    v[0, i // v.shape[2], i % v.shape[2]] = qkv_out[q_size + kv_size + i]
+                for t in range(tokens):
+                    row = t * widths[0]
+                    for i in range(q_size):
+                        q[t, i // q.shape[2], i % q.shape[2]] = qkv_out[row + i]
+                    for i in range(kv_size):
+                        k[t, i // k.shape[2], i % k.shape[2]] = qkv_out[row + q_size + i]
+                        v[t, i // v.shape[2], i % v.shape[2]] = qkv_out[row + q_size + kv_size + i]
                 ROTARY(q, positions, cos, sin)
                 ROTARY(k, positions, cos, sin)
                 WRITE_KV(k_cache, v_cache, k, v, slot_mapping, KV_FLOAT, no_scales, no_scales)
@@ -233,17 +249,18 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
                     _done(ctr, base + 3)
                 cursor = _wait(ctr, base + 3, 1, o_w[layer], cursor, _limit(o_w[layer]))
             # 4. out = attn @ o.T
-            tasks = _product(ctr, base + 4, attn_flat, o_w[layer], q_size, widths[1] // PANEL, per_task[1], o_out)
+            tasks = _product(ctr, base + 4, attn_flat, o_w[layer], q_size, widths[1] // PANEL, per_task[1], o_out,
+                             rows)
             cursor = _wait(ctr, base + 4, tasks, gate_up_w[layer], 0, _limit(gate_up_w[layer]))
             # 5. hidden += out; x = rms_norm(hidden)
             if _claim(ctr, base + 5) == 0:
-                _add_into(hidden, o_out)
+                _add_into(hidden, o_out, widths[1])
                 RMS_NORM(hidden, post_norms[layer], eps, x)
                 _done(ctr, base + 5)
             cursor = _wait(ctr, base + 5, 1, gate_up_w[layer], cursor, _limit(gate_up_w[layer]))
             # 6. gate | up = x @ gate_up.T
             tasks = _product(ctr, base + 6, x_flat, gate_up_w[layer], hidden_size, widths[2] // PANEL, per_task[2],
-                             gu_flat)
+                             gu_flat, rows)
             cursor = _wait(ctr, base + 6, tasks, down_w[layer], 0, _limit(down_w[layer]))
             # 7. g = silu(gate) * up
             if _claim(ctr, base + 7) == 0:
@@ -251,7 +268,7 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
                 _done(ctr, base + 7)
             cursor = _wait(ctr, base + 7, 1, down_w[layer], cursor, _limit(down_w[layer]))
             # 8. out = g @ down.T
-            tasks = _product(ctr, base + 8, g_flat, down_w[layer], ffn, widths[3] // PANEL, per_task[3], d_out)
+            tasks = _product(ctr, base + 8, g_flat, down_w[layer], ffn, widths[3] // PANEL, per_task[3], d_out, rows)
             last = layer + 1 == num_layers
             following = qkv_w[min(layer + 1, num_layers - 1)]   # the next weight: the next layer's
             if last:                                             # qkv, or the LM head (or none)
@@ -260,7 +277,7 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
             cursor = _wait(ctr, base + 8, tasks, following, 0, reach)
             # 9. hidden += out; the next layer's input norm (the last: the final norm, for the head)
             if _claim(ctr, base + 9) == 0:
-                _add_into(hidden, d_out)
+                _add_into(hidden, d_out, widths[3])
                 if not last:
                     RMS_NORM(hidden, input_norms[layer + 1], eps, x)
                 elif with_head:
@@ -270,7 +287,7 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
         # the LM head: logits = x @ head.T
         if with_head:
             phase = 1 + PHASES_PER_LAYER * num_layers
-            tasks = _product(ctr, phase, x_flat, head_w, hidden_size, widths[4] // PANEL, per_task[4], logits)
+            tasks = _product(ctr, phase, x_flat, head_w, hidden_size, widths[4] // PANEL, per_task[4], logits, rows)
             _wait(ctr, phase, tasks, head_w, 0, 0)
 
 
@@ -293,49 +310,57 @@ _NO_SCALES = np.ones((1, 1, 1), np.float32)    # a float32 pool: no scales
 
 
 def usable(stack_: LayerStack | None, num_tokens: int, plan, kv_cache: np.ndarray) -> bool:
-    """Whether this step can run as one persistent kernel: a single decode token, a stack of
-    panels, a float32 pool laid out as the register attention kernel reads it."""
-    return (stack_ is not None and num_tokens == 1 and len(plan.prompt_seqs) == 0 and len(plan.items) > 0
-            and kv_cache.dtype == np.float32 and kv_cache.flags.c_contiguous and kv_cache.shape[-1] % LANES == 0)
+    """Whether this step can run as one persistent kernel: 1 to MAX_TOKENS tokens, every one
+    read by the paged attention kernel's work items (no prompt long enough for the prompt path),
+    a stack of panels, a float32 pool laid out as the register attention kernel reads it."""
+    return (stack_ is not None and 1 <= num_tokens <= MAX_TOKENS and len(plan.prompt_seqs) == 0
+            and len(plan.items) > 0 and kv_cache.dtype == np.float32 and kv_cache.flags.c_contiguous
+            and kv_cache.shape[-1] % LANES == 0)
 
 
 def run(kernel, stack_: LayerStack, hidden: np.ndarray, positions: np.ndarray, kv_cache: np.ndarray,
         plan, scale: float, eps: float, cos: np.ndarray, sin: np.ndarray, num_heads: int,
         query_tile: int, num_threads: int, with_head: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-    """One token through every layer with ``kernel`` (``compile_kernel``): hidden (1, h) the
-    embedding -> ((1, h) the last layer's output (before the final norm), and with
-    ``with_head`` (the stack has a head) its (1, vocab) logits, else None). kv_cache: (layers, 2,
-    blocks, kv_heads, block_size, head_dim), this token's K and V are written at
-    plan.meta.slot_mapping; query_tile: the attention kernel's tile (its partial sums' rows)."""
+    """A step of T tokens through every layer with ``kernel`` (``compile_kernel``): hidden (T, h)
+    the embeddings -> ((T, h) the last layer's output (before the final norm), and with
+    ``with_head`` (the stack has a head) the (T, vocab) logits of every row, else None).
+    kv_cache: (layers, 2, blocks, kv_heads, block_size, head_dim), the tokens' K and V are
+    written at plan.meta.slot_mapping; query_tile: the attention kernel's tile (its partial
+    sums' rows)."""
     with_head = bool(with_head and stack_.has_head)
     meta = plan.meta
     num_layers, hidden_size = stack_.input_norms.shape
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[5]
     widths = stack_.widths
-    hidden = np.array(hidden, dtype=np.float32, order="C")                  # (1, h), written in place
-    x = np.empty((1, hidden_size), np.float32)                              # (1, h) a norm's output
-    qkv_out = np.empty(int(widths[0]), np.float32)                          # (padded q + 2 kv,)
-    q = np.empty((1, num_heads, head_dim), np.float32)                      # (1, H, D)
-    k = np.empty((1, num_kv_heads, head_dim), np.float32)                   # (1, KVH, D)
-    v = np.empty((1, num_kv_heads, head_dim), np.float32)                   # (1, KVH, D)
-    attn = np.empty((1, num_heads, head_dim), np.float32)                   # (1, H, D)
-    o_out = np.empty(int(widths[1]), np.float32)                            # (padded h,)
-    gu = np.empty((1, int(widths[2])), np.float32)                          # (1, padded 2 ffn)
-    g = np.empty((1, stack_.ffn), np.float32)                               # (1, ffn)
-    d_out = np.empty(int(widths[3]), np.float32)                            # (padded h,)
+    tokens = positions.shape[0]
+    rows = tokens if tokens <= 1 else -(-tokens // ROW_TILE) * ROW_TILE      # as the panels take them
+    padded = np.zeros((rows, hidden_size), np.float32)                      # (R, h), written in place
+    padded[:tokens] = hidden
+    x = np.zeros((rows, hidden_size), np.float32)                           # (R, h) a norm's output
+    qkv_out = np.empty(rows * int(widths[0]), np.float32)                   # (R x padded q + 2 kv,)
+    q = np.empty((tokens, num_heads, head_dim), np.float32)                 # (T, H, D)
+    k = np.empty((tokens, num_kv_heads, head_dim), np.float32)              # (T, KVH, D)
+    v = np.empty((tokens, num_kv_heads, head_dim), np.float32)              # (T, KVH, D)
+    attn = np.zeros((rows, num_heads, head_dim), np.float32)                # (R, H, D), rows T.. zero
+    o_out = np.empty(rows * int(widths[1]), np.float32)                     # (R x padded h,)
+    gu = np.empty((rows, int(widths[2])), np.float32)                       # (R, padded 2 ffn)
+    g = np.empty((rows, stack_.ffn), np.float32)                            # (R, ffn)
+    d_out = np.empty(rows * int(widths[3]), np.float32)                     # (R x padded h,)
     slots = int(plan.merges[:, 3].sum()) if len(plan.merges) else 0
-    rows = query_tile * num_heads
-    part_acc = np.empty((slots, rows, head_dim), np.float32)                # (slots, rows, D)
-    part_max = np.empty((slots, rows), np.float32)                          # (slots, rows)
-    part_sum = np.empty((slots, rows), np.float32)                          # (slots, rows)
+    part_rows = query_tile * num_heads
+    part_acc = np.empty((slots, part_rows, head_dim), np.float32)           # (slots, rows, D)
+    part_max = np.empty((slots, part_rows), np.float32)                     # (slots, rows)
+    part_sum = np.empty((slots, part_rows), np.float32)                     # (slots, rows)
     strides = np.array([st // 4 for st in kv_cache.strides[2:5]], np.int64)  # block, head, token
-    logits = np.empty(int(widths[4]) if with_head else 0, np.float32)       # (padded vocab,)
+    logits = np.empty(rows * int(widths[4]) if with_head else 0, np.float32)  # (R x padded vocab,)
     ctr = np.zeros((2 + PHASES_PER_LAYER * num_layers) * STRIDE, np.int64)  # claimed / done counters
-    kernel(hidden, x, x.reshape(-1), qkv_out, q, k, v, attn, attn.reshape(-1), o_out, gu, gu.reshape(-1),
+    kernel(padded, x, x.reshape(-1), qkv_out, q, k, v, attn, attn.reshape(-1), o_out, gu, gu.reshape(-1),
            g, g.reshape(-1), d_out, stack_.input_norms, stack_.post_norms, stack_.qkv, stack_.o,
            stack_.gate_up, stack_.down, widths, stack_.per_task, np.float32(eps),
            np.ascontiguousarray(positions, dtype=np.int64), meta.slot_mapping, kv_cache, cos, sin,
            meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.items, plan.merges,
            np.float32(scale), part_acc, part_max, part_sum, strides, _NO_BOUNDS, _NO_SCALES,
            stack_.final_norm, stack_.head, logits, with_head, ctr, max(1, num_threads))
-    return hidden, (logits[None, :stack_.vocab_size] if with_head else None)
+    if not with_head:
+        return padded[:tokens], None
+    return padded[:tokens], logits.reshape(rows, -1)[:tokens, :stack_.vocab_size]

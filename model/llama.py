@@ -131,7 +131,7 @@ class LlamaModel:
         self.packed = [PackedLayer(*(pack(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)))
                        for layer in self.layers]
         self.lm_head_packed = pack(self.lm_head) if self.lm_head is not None else None
-        # A single sequence's step runs every layer in one persistent kernel where the ops have
+        # A step of a few sequences runs every layer in one persistent kernel where the ops have
         # one (the CPU's, on the panels: kernels/persistent_decode.py); views, no weight copied.
         make_stack = getattr(ops, "persistent_layers", None)
         self.persistent = (make_stack(self.layers, self.packed, self.final_norm, self.lm_head_packed)
@@ -177,13 +177,12 @@ class LlamaModel:
         hidden = self.embed[inputs] if self.shard.is_first_stage else inputs   # (T, hidden)
         plan = ops.plan_attention(meta, self.gemm)   # how attention splits this batch, for every layer
         fused = logits = None
-        if (self.persistent is not None and positions.shape[0] == 1 and not split and layer_quant is None
-                and layer_bounds is None):
-            # one token: every row of logits_indices is row 0, its logits made in the same kernel
+        if self.persistent is not None and not split and layer_quant is None and layer_bounds is None:
+            # a few tokens (decodes of a few sequences; more, and ops declines): their logits too
             with_head = self.shard.is_last_stage and self.shard.has_lm_head and logits_indices.shape[0] > 0
             fused = ops.decode_layers(self.persistent, hidden, positions, kv_cache, plan, self.scale,
                                       c.rms_norm_eps, self.cos, self.sin, c.num_attention_heads, with_head)
-        if fused is not None:                # one token, every layer in one kernel: the same floats
+        if fused is not None:                # every layer in one kernel: the same floats
             hidden, logits = fused
         else:
             hidden = yield from self._layers(hidden, positions, kv_cache, meta, plan, layer_quant, layer_bounds)
@@ -191,8 +190,9 @@ class LlamaModel:
             return hidden
         if not self.shard.has_lm_head:       # the same hidden states as rank 0: nothing to add
             return None
-        if logits is not None:               # (1, vocab), once for each row asked for
-            return logits if logits_indices.shape[0] == 1 else logits[np.zeros(logits_indices.shape[0], np.int64)]
+        if logits is not None:               # (T, vocab): the rows asked for
+            every_row = logits_indices.shape[0] == logits.shape[0] and (logits_indices == np.arange(logits.shape[0])).all()
+            return logits if every_row else logits[logits_indices]
         if logits_indices.shape[0] == 0:      # a step of prompt chunks only: nothing to sample
             return ops.xp.empty((0, c.vocab_size), dtype=self.lm_head.dtype)
         last = ops.rms_norm(hidden[logits_indices], self.final_norm, c.rms_norm_eps)  # (N, hidden)

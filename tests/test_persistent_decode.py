@@ -173,30 +173,84 @@ def llama_run_layers(model, ids, positions, kv, meta, plan):
     return run_to_end(model._layers(model.embed[ids], positions, kv, meta, plan, None, None))
 
 
+def _batch(cfg, model, block_size, rng, chunks):
+    """A pool holding one sequence per entry of ``chunks`` (its prompt prefilled, written
+    through scattered blocks), and the step that adds ``chunks[i]`` new tokens to sequence i
+    (1: a decode; more: a short prompt chunk): (kv, ids, positions, meta)."""
+    prompts = [int(n) for n in rng.integers(3, 60, size=len(chunks))]
+    lens = [p + c for p, c in zip(prompts, chunks)]
+    per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_seq) + 2
+    kv = np.zeros(kv_cache_shape(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, block_size,
+                                 cfg.head_dim), np.float32)
+    free = [int(b) for b in rng.permutation(num_blocks)]
+    tables = [[free.pop() for _ in range(n)] for n in per_seq]
+    table_array = np.full((len(chunks), max(per_seq)), -1, np.int32)
+    for i, table in enumerate(tables):
+        table_array[i, :len(table)] = table
+    seqs = [rng.integers(0, cfg.vocab_size, size=n) for n in lens]
+
+    def slot(i, pos):
+        return tables[i][pos // block_size] * block_size + pos % block_size
+
+    for i, p in enumerate(prompts):          # each prompt alone, layer by layer (it is long)
+        meta = AttentionMetadata(np.array([slot(i, t) for t in range(p)], np.int64), np.array([0, p], np.int32),
+                                 np.array([p], np.int32), table_array[i:i + 1], p, p)
+        model.forward(seqs[i][:p], np.arange(p), kv, meta, np.array([p - 1]))
+    ids = np.concatenate([s[p:] for s, p in zip(seqs, prompts)])
+    positions = np.concatenate([np.arange(p, n) for p, n in zip(prompts, lens)])
+    slots = np.array([slot(i, t) for i, (p, n) in enumerate(zip(prompts, lens)) for t in range(p, n)], np.int64)
+    meta = AttentionMetadata(slots, np.concatenate([[0], np.cumsum(chunks)]).astype(np.int32),
+                             np.array(lens, np.int32), table_array, max(chunks), max(lens))
+    return kv, ids, positions, meta
+
+
+@pytest.mark.parametrize("chunks", [[1, 1], [1, 1, 1], [1, 1, 1, 1], [2, 1], [3, 1]])
+def test_a_step_of_a_few_sequences_gives_the_layer_by_layer_floats(monkeypatch, chunks):
+    """Two to four decodes (rows padded to a tile of 4), or a short prompt chunk beside a
+    decode: the same logits, for every row and for a subset, and the same K/V written."""
+    runs = _count_runs(monkeypatch)
+    cfg, model = _model(seed=7, **SHAPES[2])
+    kv, ids, positions, meta = _batch(cfg, model, 4, np.random.default_rng(len(chunks)), chunks)
+    rows = np.arange(len(ids))
+    for wanted in (rows, rows[np.cumsum(chunks) - 1]):    # every row; each sequence's last
+        kv_ref, kv_got = kv.copy(), kv.copy()
+        monkeypatch.setattr(cpu, "PERSISTENT_DECODE", False)
+        expected = model.forward(ids, positions, kv_ref, meta, wanted)
+        monkeypatch.setattr(cpu, "PERSISTENT_DECODE", True)
+        got = model.forward(ids, positions, kv_got, meta, wanted)
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(kv_got, kv_ref)
+    assert len(runs) == 2
+
+
 def test_other_steps_go_layer_by_layer():
-    """More than one token, a compressed pool, or panels missing: ``decode_layers`` declines
-    (None) and the model runs its layers one kernel at a time."""
+    """More than MAX_TOKENS tokens, a prompt long enough for the prompt path, a compressed pool,
+    or panels missing: ``decode_layers`` declines (None) and the model runs its layers one
+    kernel at a time."""
     cfg, model = _model(seed=1, **SHAPES[1])
     rng = np.random.default_rng(0)
-    kv, ids, positions, meta = _prefill(cfg, model, 20, 16, rng)
-    plan = cpu.plan_attention(meta)
     args = (model.scale, cfg.rms_norm_eps, model.cos, model.sin, cfg.num_attention_heads)
-    hidden = model.embed[ids]
-    assert cpu.decode_layers(model.persistent, hidden, positions, kv, plan, *args) is not None
-    two = AttentionMetadata(np.array([meta.slot_mapping[0], -1]), np.array([0, 2], np.int32), meta.seq_lens + 1,
-                            meta.block_tables, 2, int(meta.seq_lens[0]) + 1)
-    assert cpu.decode_layers(model.persistent, np.repeat(hidden, 2, 0), np.array([20, 21]), kv,
-                             cpu.plan_attention(two), *args) is None
-    assert cpu.decode_layers(model.persistent, hidden, positions, kv.astype(np.int8), plan, *args) is None
+
+    def declines(chunks, pool=None):
+        kv, ids, positions, meta = _batch(cfg, model, 16, rng, chunks)
+        out = cpu.decode_layers(model.persistent, model.embed[ids], positions, kv if pool is None else pool(kv),
+                                cpu.plan_attention(meta), *args)
+        return out is None
+
+    assert not declines([1] * persistent_decode.MAX_TOKENS)
+    assert declines([1] * (persistent_decode.MAX_TOKENS + 1))
+    assert declines([cpu.BLAS_MIN_QUERIES])                  # a prompt: the prompt kernel's
+    assert declines([1], pool=lambda kv: kv.astype(np.int8))
     assert persistent_decode.stack(model.layers, [type(p)() for p in model.packed]) is None
 
 
-@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("n", [1, 2, 6])
 def test_generation_is_unchanged_by_the_persistent_kernel(tiny_model_dir, monkeypatch, n):
-    """Greedy tokens and their log-probabilities through the engine, kernel on and off
-    (n = 2: two sequences decode together, so only the prompt's last steps are single)."""
+    """Greedy tokens and their log-probabilities through the engine, kernel on and off: one
+    sequence, two decoding together, and six (more than the kernel takes: layer by layer)."""
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
-    prompts = ["The page table", "A frame"][:n]
+    prompts = ["The page table", "A frame", "Swap", "A block of sixteen", "Copy on write", "LRU"][:n]
     runs = _count_runs(monkeypatch)
     outputs = {}
     for on in (False, True):
@@ -205,4 +259,4 @@ def test_generation_is_unchanged_by_the_persistent_kernel(tiny_model_dir, monkey
         outputs[on] = [(c.token_ids, [sorted(lp.items()) for lp in c.logprobs])
                        for out in llm.generate(prompts, params) for c in out.outputs]
     assert outputs[True] == outputs[False]
-    assert len(runs) == (11 if n == 1 else 0)   # n = 1: every step after the prompt's
+    assert len(runs) == (0 if n > persistent_decode.MAX_TOKENS else 11)   # every step after the prompts'

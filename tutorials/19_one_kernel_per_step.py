@@ -17,7 +17,8 @@ kernel (``kernels/persistent_decode.py``) runs every layer in one parallel regio
   complete, and meanwhile asks the memory for the next weight it will multiply, so that the
   bus streams weights while the other thread runs attention or a norm.
 
-We:
+The same kernel takes a step of up to four sequences (``MAX_TOKENS``, rows padded to a tile
+of the panels); here we follow a single one. We:
 
 1. claim tasks from one counter on two threads, and check every task was run exactly once;
 2. run a real single-sequence step both ways and compare the logits and the K/V written: the

@@ -93,5 +93,5 @@ def print_roofline(report: dict) -> None:
         cells = "  ".join(f"{r['breakdown_s'][p] * 1e3:13.2f}" for p in parts)
         print(f"  {'T=' + str(r['prompt_len']):>8} {'':>5} {r['step_s'] * 1e3:8.1f} {r['bound_s'] * 1e3:8.1f} "
               f"{r['ratio']:6.2f} {r['gflop_s']:8.1f}  {cells}   ({100 * r['fraction_of_peak']:.0f}% of peak)")
-    print("  (breakdown in ms per step; ratio = step / bound, 1.00 is the roofline; persistent: a single\n"
-          "   sequence's layers and LM head in one kernel, products, attention and the rest together)")
+    print("  (breakdown in ms per step; ratio = step / bound, 1.00 is the roofline; persistent: up to 4\n"
+          "   sequences' layers and LM head in one kernel, products, attention and the rest together)")

@@ -147,7 +147,7 @@ def workload_floor(engine: LLMEngine, prompt_lens: list[int], output_len: int, m
 
 # --------------------------------------------------------------------------- timing the parts
 
-# A single sequence's layers and LM head run as one persistent kernel (kernels/persistent_decode.py):
+# A few sequences' layers and LM head run as one persistent kernel (kernels/persistent_decode.py):
 # their products, attention and small kernels share one call, timed as "persistent" (0 in other steps).
 CATEGORY = {"linear": "matmuls", "paged_attention": "attention", "plan_attention": "attention",
             "rms_norm": "other_kernels", "rotary": "other_kernels", "silu_and_mul": "other_kernels",
