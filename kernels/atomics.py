@@ -28,19 +28,14 @@ from llvmlite import ir
 from numba import types as nb_types
 from numba.extending import intrinsic
 
+from .simd import _address   # LLVM: the address of arr[index], as the vector intrinsics take it
+
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def _int64_1d(arr) -> bool:
     return (isinstance(arr, nb_types.Array) and arr.ndim == 1 and arr.dtype == nb_types.int64
             and arr.layout == "C")
-
-
-def _address(context, builder, sig, args):
-    """LLVM: the address of arr[index] for an intrinsic's (arr, index, ...) arguments."""
-    index = context.cast(builder, args[1], sig.args[1], nb_types.intp)
-    data = context.make_array(sig.args[0])(context, builder, args[0]).data
-    return builder.gep(data, [index])
 
 
 @intrinsic

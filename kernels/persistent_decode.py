@@ -363,4 +363,5 @@ def run(kernel, stack_: LayerStack, hidden: np.ndarray, positions: np.ndarray, k
            stack_.final_norm, stack_.head, logits, with_head, ctr, max(1, num_threads))
     if not with_head:
         return padded[:tokens], None
-    return padded[:tokens], logits.reshape(rows, -1)[:tokens, :stack_.vocab_size]
+    # (T, vocab), contiguous as the layer-by-layer path's (the sampler's kernels read whole rows)
+    return padded[:tokens], np.ascontiguousarray(logits.reshape(rows, -1)[:tokens, :stack_.vocab_size])

@@ -12,8 +12,8 @@ must do, and so its bound, the time it could not beat even on a perfect engine:
     bound = max(bytes / bandwidth, FLOPs / peak)
 
 Then real engine steps, timed against that bound and split into matrix products, the
-LM head, attention, the other kernels, the sampler and the Python around the model (a
-single sequence's layers run as one persistent kernel, tutorial 19: one column of their own).
+LM head, attention, the other kernels, the sampler and the Python around the model (steps of
+up to four sequences run their layers as one persistent kernel, tutorial 19: one column of their own).
 Last, what the measurement taught while the CPU path was made fast: a BLAS product of a
 few rows costs far more than reading the weight once (OpenBLAS packs the whole weight
 into its own layout first, at every call), so ``kernels/cpu.py`` ``linear`` sends small
@@ -194,14 +194,14 @@ print("  ratio = step / bound: 1.00 would be the roofline")
 print("  the breakdown adds up to the step: matmuls (the layers' products), the LM head's product, "
       "attention, the other kernels (norms, rotary, SwiGLU, KV writes), the sampler, and the Python "
       "around the model (scheduler, inputs, outputs)")
-print("  a single sequence's layers and LM head run as one persistent kernel (tutorial 19, "
-      "kernels/persistent_decode.py): at B=1 their products, attention and small kernels are one call, "
-      "the persistent column")
+print("  the layers and LM head of a step of up to four sequences run as one persistent kernel (tutorial 19, "
+      "kernels/persistent_decode.py): at B=1, 2 and 4 their products, attention and small kernels are one "
+      "call, the persistent column")
 
 
 def weights_time(row) -> float:
     """Seconds of a step spent where the weights are read: the products and the LM head (at
-    B=1 the whole persistent kernel, its attention and small kernels included)."""
+    B <= 4 the whole persistent kernel, its attention and small kernels included)."""
     parts = row["breakdown_s"]
     return parts["matmuls"] + parts["persistent"] + parts["lm_head"]
 
