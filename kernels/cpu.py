@@ -1284,10 +1284,24 @@ def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
 PERSISTENT_DECODE = True
 
 
-# its kernels, bound to this module's: one copy for each number of heads scored together
+def _never_raising(kernel, cache: bool = True):
+    """A copy of a serial kernel compiled with NumPy's error model: a float division by zero
+    gives inf or nan instead of raising ZeroDivisionError (the same arithmetic otherwise). In
+    the persistent kernel a task that raised would leave its thread's iteration without
+    counting the task done, and the other threads would poll for it for ever."""
+    fn = kernel.py_func
+    twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_never_raising", fn.__defaults__,
+                              fn.__closure__)
+    twin.__qualname__ = fn.__qualname__ + "_never_raising"
+    return njit(fastmath=kernel.targetoptions.get("fastmath", False), cache=cache, error_model="numpy")(twin)
+
+
+# its kernels, bound to this module's (rotary and the float KV write never divide; SiLU already
+# uses NumPy's error model): one copy for each number of heads scored together
 _PERSISTENT = {heads: persistent_decode.compile_kernel(
-    heads, ATTENTION=_vector_attention[heads].serial, RMS_NORM=_rms_norm.serial, ROTARY=_rotary_inplace.serial,
-    WRITE_KV=_write_kv.serial, SILU_AND_MUL=_silu_and_mul.serial, MERGE=_merge_partials) for heads in (1, 2, 3)}
+    heads, ATTENTION=_never_raising(_vector_attention[heads].serial, SIMD_CACHE),
+    RMS_NORM=_never_raising(_rms_norm.serial), ROTARY=_rotary_inplace.serial, WRITE_KV=_write_kv.serial,
+    SILU_AND_MUL=_silu_and_mul.serial, MERGE=_never_raising(_merge_partials)) for heads in (1, 2, 3)}
 
 
 def persistent_layers(layers, packed, final_norm=None, lm_head=None):

@@ -20,7 +20,8 @@ phase. While it polls it asks for the lines of the next weight it will multiply
 thread runs attention or a norm.
 
 No thread waits for another to start: a task, once claimed, is run by the thread that
-claimed it without waiting for anything, so the step completes whether the region's
+claimed it without waiting for anything (nor raising: every kernel it calls is compiled with
+NumPy's error model, and non-finite hidden states are reported after the region), so the step completes whether the region's
 iterations run on many threads at once or one after another on a single one (a threading
 layer may do either). And the threads take tasks as they free up: a core that the host
 lends elsewhere for a while leaves its share to the other.
@@ -54,14 +55,15 @@ from .simd import LANES, SIMD_CACHE, prefetch
 
 # Bytes of a weight's panels in one product task: small enough that the two threads end a
 # product together (the last task is short), large enough that claiming one (an atomic add on
-# a line both cores write) is rare: 4 panels of a 576-wide weight, 1 of a 1536-wide one.
+# a line both cores write) is rare: with AVX2's 16-wide panels, 3 of a 576-wide weight, 1 of a
+# 1536-wide one (with AVX-512's 32-wide panels, 1 of either).
 TASK_BYTES = 128 << 10
 # How much of the next weight a polling thread asks for ahead: while the other thread runs
 # attention (~50 us at a 256-token context) one core streams ~1 MB; more would be evicted from
 # the caches before the product reads it.
 AHEAD_BYTES = 2 << 20
-# int64s from one counter to the next: 128 bytes, so that two counters never share a cache
-# line or an adjacent-line prefetch pair. A phase has two: tasks claimed, tasks done.
+# int64s from one phase's counters to the next's: 128 bytes. A phase has two, tasks claimed
+# and tasks done, 64 bytes apart: each on a cache line of its own.
 STRIDE = 16
 DONE = 8
 PHASES_PER_LAYER = 10
@@ -151,7 +153,7 @@ def _wait(ctr, phase, tasks, ahead, cursor, limit):
     return cursor
 
 
-@njit(fastmath=True, cache=CACHE)
+@njit(fastmath=True, cache=CACHE, error_model="numpy")
 def _product(ctr, phase, x, w, k_dim, panels, per_task, out, rows):
     """Claim and run a product phase's tasks: x (rows * k_dim,) times per_task panels of w each,
     into out (rows * panels * PANEL,), through the panels' own loops (``panel_rows``). Returns
@@ -300,7 +302,7 @@ def compile_kernel(heads: int, **kernels):
     copy = types.FunctionType(fn.__code__, {**fn.__globals__, **kernels}, f"_decode_layers_{heads}",
                               fn.__defaults__, fn.__closure__)
     copy.__qualname__ = f"_decode_layers_{heads}"
-    return njit(fastmath=True, parallel=True, cache=CACHE)(copy)
+    return njit(fastmath=True, parallel=True, cache=CACHE, error_model="numpy")(copy)
 
 
 # --------------------------------------------------------------------------- the Python side
@@ -361,6 +363,9 @@ def run(kernel, stack_: LayerStack, hidden: np.ndarray, positions: np.ndarray, k
            meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.items, plan.merges,
            np.float32(scale), part_acc, part_max, part_sum, strides, _NO_BOUNDS, _NO_SCALES,
            stack_.final_norm, stack_.head, logits, with_head, ctr, max(1, num_threads))
+    if not np.isfinite(padded[:tokens]).all():   # no task raises (a waiting thread would poll for ever)
+        raise FloatingPointError("the decode step's hidden states came out nan or inf after the layers: "
+                                 "the model's weights or its inputs hold nan or inf values")
     if not with_head:
         return padded[:tokens], None
     # (T, vocab), contiguous as the layer-by-layer path's (the sampler's kernels read whole rows)

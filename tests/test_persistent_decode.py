@@ -205,10 +205,15 @@ def _batch(cfg, model, block_size, rng, chunks):
     return kv, ids, positions, meta
 
 
+@pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("chunks", [[1, 1], [1, 1, 1], [1, 1, 1, 1], [2, 1], [3, 1]])
-def test_a_step_of_a_few_sequences_gives_the_layer_by_layer_floats(monkeypatch, chunks):
+def test_a_step_of_a_few_sequences_gives_the_layer_by_layer_floats(monkeypatch, chunks, threaded):
     """Two to four decodes (rows padded to a tile of 4), or a short prompt chunk beside a
-    decode: the same logits, for every row and for a subset, and the same K/V written."""
+    decode: the same logits, for every row and for a subset, and the same K/V written.
+    ``threaded``: the layer-by-layer path runs its attention and SiLU on the thread pool."""
+    if threaded:
+        monkeypatch.setattr(cpu, "ATTENTION_PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(cpu, "SILU_PARALLEL_MIN_ELEMENTS", 0)
     runs = _count_runs(monkeypatch)
     cfg, model = _model(seed=7, **SHAPES[2])
     kv, ids, positions, meta = _batch(cfg, model, 4, np.random.default_rng(len(chunks)), chunks)
@@ -261,3 +266,44 @@ def test_generation_is_unchanged_by_the_persistent_kernel(tiny_model_dir, monkey
                        for out in llm.generate(prompts, params) for c in out.outputs]
     assert outputs[True] == outputs[False]
     assert len(runs) == (0 if n > persistent_decode.MAX_TOKENS else 11)   # every step after the prompts'
+
+
+NO_HANG = """
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from test_persistent_decode import SHAPES, _batch, _model
+from minipaged.kernels import cpu
+
+# a nan in the hidden states (a broken checkpoint): the layer-by-layer attention raises
+# ZeroDivisionError on it; a task that raised would leave the other threads polling for ever
+cfg, model = _model(seed=3, **SHAPES[1])
+kv, ids, positions, meta = _batch(cfg, model, 16, np.random.default_rng(0), [1, 1])
+model.embed[ids[0], :] = np.nan
+try:
+    model.forward(ids, positions, kv, meta, np.arange(2))
+except FloatingPointError as error:
+    print("raised:", error)
+# rms_norm_eps = 0: the zero padding rows of a 2-token step divide by zero; the real rows do not
+cfg, model = _model(seed=3, rms_norm_eps=0.0, **SHAPES[1])
+kv, ids, positions, meta = _batch(cfg, model, 16, np.random.default_rng(1), [1, 1])
+cpu.PERSISTENT_DECODE = False
+expected = model.forward(ids, positions, kv.copy(), meta, np.arange(2))
+cpu.PERSISTENT_DECODE = True
+print("eps 0 equal:", np.array_equal(model.forward(ids, positions, kv.copy(), meta, np.arange(2)), expected))
+"""
+
+
+def test_a_failing_step_raises_instead_of_hanging():
+    """No task may raise inside the region (a thread that left on an exception would never
+    count its task done): a nan hidden state is reported after it, as FloatingPointError, and
+    the zero padding rows of a step under rms_norm_eps = 0 hurt no real row. In a child
+    process, so that a hang fails the test instead of stopping the suite."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = NO_HANG.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "raised: the decode step's hidden states came out nan or inf" in done.stdout
+    assert "eps 0 equal: True" in done.stdout
