@@ -272,9 +272,8 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
             # 8. out = g @ down.T
             tasks = _product(ctr, base + 8, g_flat, down_w[layer], ffn, widths[3] // PANEL, per_task[3], d_out, rows)
             last = layer + 1 == num_layers
-            following = qkv_w[min(layer + 1, num_layers - 1)]   # the next weight: the next layer's
-            if last:                                             # qkv, or the LM head (or none)
-                following = head_w
+            following = head_w if last else qkv_w[layer + 1]   # the next weight: the next layer's qkv,
+                                                                 # or the LM head (or none)
             reach = _limit(following) if not last or with_head else 0
             cursor = _wait(ctr, base + 8, tasks, following, 0, reach)
             # 9. hidden += out; the next layer's input norm (the last: the final norm, for the head)
