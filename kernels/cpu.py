@@ -1276,11 +1276,11 @@ def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
     return out
 
 
-# --------------------------------------------------------------------------- a few sequences' step, persistent
+# --------------------------------------------------------------------------- a decode step, persistent
 
-# A decode step of up to four sequences runs every layer in one parallel region whose threads claim
-# tasks and poll counters instead of forking and joining ~300 times (kernels/persistent_decode.py);
-# False: layer by layer, kernel by kernel, as every other step.
+# A decode step (up to PANEL_MAX_ROWS tokens, none of them a prompt's) runs every layer in one
+# parallel region whose threads claim tasks and poll counters instead of forking and joining ~300
+# times (kernels/persistent_decode.py); False: layer by layer, kernel by kernel, as every other step.
 PERSISTENT_DECODE = True
 
 
@@ -1314,15 +1314,15 @@ def persistent_layers(layers, packed, final_norm=None, lm_head=None):
 def decode_layers(stack, hidden: np.ndarray, positions: np.ndarray, kv_cache: np.ndarray, plan: AttentionPlan,
                   scale: float, eps: float, cos: np.ndarray, sin: np.ndarray, num_heads: int,
                   with_head: bool = False, num_threads: int | None = None) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """A step of a few tokens (decodes of up to ``persistent_decode.MAX_TOKENS`` sequences) through every
+    """A decode step (up to PANEL_MAX_ROWS tokens, decodes or short prompt chunks) through every
     layer in one persistent kernel (``kernels/persistent_decode.py``): hidden (T, h) -> ((T, h) the
     last layer's output, and with ``with_head`` the (T, vocab) logits after the final norm and
     the LM head, else None), the same floats as the layer-by-layer path; None when the step is
     not one it can run (more tokens, a prompt, a compressed or unusual pool, PERSISTENT_DECODE or
     VECTOR_ATTENTION off): then the model goes layer by layer. ``num_threads``: the region's
     iterations (default: Numba's thread count)."""
-    if not (PERSISTENT_DECODE and VECTOR_ATTENTION and persistent_decode.usable(stack, positions.shape[0], plan,
-                                                                                  kv_cache)):
+    if not (PERSISTENT_DECODE and VECTOR_ATTENTION
+            and persistent_decode.usable(stack, positions.shape[0], plan, kv_cache, PANEL_MAX_ROWS)):
         return None
     kernel = _PERSISTENT[vector_heads(num_heads // kv_cache.shape[3])]
     return persistent_decode.run(kernel, stack, hidden, positions, kv_cache, plan, scale, eps, cos, sin, num_heads,

@@ -131,8 +131,8 @@ class LlamaModel:
         self.packed = [PackedLayer(*(pack(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)))
                        for layer in self.layers]
         self.lm_head_packed = pack(self.lm_head) if self.lm_head is not None else None
-        # A step of a few sequences runs every layer in one persistent kernel where the ops have
-        # one (the CPU's, on the panels: kernels/persistent_decode.py); views, no weight copied.
+        # A decode step runs every layer in one persistent kernel where the ops have one (the
+        # CPU's, on the panels: kernels/persistent_decode.py); views, no weight copied.
         make_stack = getattr(ops, "persistent_layers", None)
         self.persistent = (make_stack(self.layers, self.packed, self.final_norm, self.lm_head_packed)
                            if make_stack and gemm is None else None)
@@ -178,8 +178,11 @@ class LlamaModel:
         plan = ops.plan_attention(meta, self.gemm)   # how attention splits this batch, for every layer
         fused = logits = None
         if self.persistent is not None and not split and layer_quant is None and layer_bounds is None:
-            # a few tokens (decodes of a few sequences; more, and ops declines): their logits too
-            with_head = self.shard.is_last_stage and self.shard.has_lm_head and logits_indices.shape[0] > 0
+            # a decode step (a prompt, or more tokens than the panels take, and ops declines); the
+            # LM head in the kernel too when every row's logits are wanted (prompt chunks want
+            # only their last row's: those few rows get the head below, as layer by layer)
+            with_head = (self.shard.is_last_stage and self.shard.has_lm_head
+                         and logits_indices.shape[0] >= hidden.shape[0])
             fused = ops.decode_layers(self.persistent, hidden, positions, kv_cache, plan, self.scale,
                                       c.rms_norm_eps, self.cos, self.sin, c.num_attention_heads, with_head)
         if fused is not None:                # every layer in one kernel: the same floats

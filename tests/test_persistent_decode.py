@@ -11,6 +11,7 @@ from numba import get_num_threads, njit, prange
 
 from minipaged.kernels import cpu, persistent_decode
 from minipaged.kernels.atomics import fetch_add, load_acquire, spin_pause
+from minipaged.kernels.borrowed import borrowed
 from minipaged.kernels.layout import AttentionMetadata, kv_cache_shape
 from minipaged.model.config import LlamaConfig
 from minipaged.model.llama import LlamaModel
@@ -34,26 +35,53 @@ def test_atomics_mean_their_numpy_expressions():
     assert a.tolist() == [10, 25, 30]
 
 
+@njit
+def _through_borrowed(a, b):
+    va, vb = borrowed(a), borrowed(b)
+    va[0] += np.float32(1.0)          # a write through the view lands in the array
+    total = np.float32(0.0)
+    for i in range(va.shape[0]):
+        total += va[i]
+    return total, va.shape[0], vb[2, 1], vb.shape[1]
+
+
+def test_a_borrowed_view_is_the_array_itself():
+    """``borrowed(a)`` (kernels/borrowed.py) means ``a``: the same data, shape and strides (its
+    point, no reference counting, shows in the speed of the serial product loops, and their
+    floats in the tests below)."""
+    a = np.arange(5, dtype=np.float32)
+    b = np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2]      # a strided 2-D view
+    total, n, b21, cols = _through_borrowed(a, b)
+    assert a.tolist() == [1, 1, 2, 3, 4] and total == 11 and n == 5
+    assert (b21, cols) == (10, 2) == (b[2, 1], b.shape[1])
+
+
 @njit(parallel=True)
-def _claim_all(counter, owner, iterations):
-    for t in prange(iterations):
-        task = fetch_add(counter, 0, 1)
+def _claim_all(ctr, owner, iterations):
+    for it in prange(iterations):
+        task, r = persistent_decode._claim(ctr, 1, owner.shape[0], it)
         while task < owner.shape[0]:
-            owner[task] += t + 1      # each task number is handed out once: written by one thread
-            task = fetch_add(counter, 0, 1)
+            owner[task] += it + 1     # each task number is handed out once: written by one thread
+            persistent_decode._done(ctr, 1)
+            task, r = persistent_decode._claim(ctr, 1, owner.shape[0], r)
 
 
-def test_every_task_is_claimed_exactly_once_across_threads():
-    """Threads claiming from one counter (as the kernel's phases do) never share a task, never
-    skip one; also with more iterations than threads, which then run one after another."""
+@pytest.mark.parametrize("tasks", [1, 2, 7, 200_000])
+def test_every_task_is_claimed_exactly_once_across_threads(tasks):
+    """Threads claiming a phase's tasks (each its own range first, then the others') never
+    share a task, never skip one, and count each done; also with more iterations than threads
+    (they then run one after another: the first takes every range) and fewer tasks than ranges."""
     for iterations in (get_num_threads(), get_num_threads() + 1):
-        counter = np.zeros(1, np.int64)
-        owner = np.zeros(200_000, np.int64)
-        _claim_all(counter, owner, iterations)
-        assert owner.min() >= 1 and owner.max() <= iterations
+        ctr = np.zeros((3, (iterations + 1) * persistent_decode.LINE), np.int64)   # phase 1's row
+        owner = np.zeros(tasks, np.int64)
+        _claim_all(ctr, owner, iterations)
         claimed_once = np.isin(owner, np.arange(1, iterations + 1))
         assert claimed_once.all()
-        assert counter[0] == owner.shape[0] + iterations   # every iteration's last claim found none
+        assert ctr[1, 0] == tasks                       # each counted done once
+        assert not ctr[0].any() and not ctr[2].any()    # other phases' rows untouched
+        if tasks >= 1000:                               # a range's tasks go mostly to its own thread
+            home = np.repeat(np.arange(iterations), np.diff(np.arange(iterations + 1) * tasks // iterations))
+            assert (owner == home + 1).mean() > 0.5
 
 
 def _model(seed=0, **shape):
@@ -121,14 +149,14 @@ def test_a_single_sequence_step_gives_the_layer_by_layer_floats(monkeypatch, sha
         expected = model.forward(ids, positions, kv_ref, meta, np.array([0]))
         monkeypatch.setattr(cpu, "PERSISTENT_DECODE", True)
         plan = cpu.plan_attention(meta)
-        assert persistent_decode.usable(model.persistent, 1, plan, kv)
+        assert persistent_decode.usable(model.persistent, 1, plan, kv, cpu.PANEL_MAX_ROWS)
         assert len(plan.merges) == (split and get_num_threads() > 1 and prompt_len + 1 >= 8 * get_num_threads())
         got = model.forward(ids, positions, kv, meta, np.array([0]))
         np.testing.assert_array_equal(got, expected)        # the LM head's logits, made in the kernel
         np.testing.assert_array_equal(kv, kv_ref)
         twice = model.forward(ids, positions, kv, meta, np.array([0, 0]))   # two samples of one row
         np.testing.assert_array_equal(twice, np.concatenate([expected, expected]))
-    assert len(runs) == 9                   # each decode step (twice), and the one-token prompt, as the kernel
+    assert len(runs) == 10   # each decode step (twice), and the prompts of 1 and 7 tokens (under BLAS_MIN_QUERIES)
 
 
 @pytest.mark.parametrize("num_threads", [1, 3])
@@ -206,17 +234,20 @@ def _batch(cfg, model, block_size, rng, chunks):
 
 
 @pytest.mark.parametrize("threaded", [False, True])
-@pytest.mark.parametrize("chunks", [[1, 1], [1, 1, 1], [1, 1, 1, 1], [2, 1], [3, 1]])
-def test_a_step_of_a_few_sequences_gives_the_layer_by_layer_floats(monkeypatch, chunks, threaded):
-    """Two to four decodes (rows padded to a tile of 4), or a short prompt chunk beside a
-    decode: the same logits, for every row and for a subset, and the same K/V written.
-    ``threaded``: the layer-by-layer path runs its attention and SiLU on the thread pool."""
+@pytest.mark.parametrize("chunks", [[1, 1], [1, 1, 1], [1, 1, 1, 1], [2, 1], [3, 1], [1] * 6, [1] * 13, [1] * 24,
+                                    [5] + [1] * 9, [1] * 40])
+def test_a_step_of_several_sequences_gives_the_layer_by_layer_floats(monkeypatch, chunks, threaded):
+    """Decodes of 2 to 40 sequences (rows padded to a multiple of 4: each tile shape of the
+    panels, 4 rows and AVX2's pairs of 6), or a short prompt chunk beside decodes: the same
+    logits, for every row and for a subset, and the same K/V written. ``threaded``: the
+    layer-by-layer path runs its attention, norms, rotary, SiLU and KV writes on the thread pool."""
     if threaded:
-        monkeypatch.setattr(cpu, "ATTENTION_PARALLEL_MIN_WORK", 0)
-        monkeypatch.setattr(cpu, "SILU_PARALLEL_MIN_ELEMENTS", 0)
-    runs = _count_runs(monkeypatch)
+        for threshold in ("ATTENTION_PARALLEL_MIN_WORK", "SILU_PARALLEL_MIN_ELEMENTS",
+                          "LIGHT_PARALLEL_MIN_ELEMENTS", "WRITE_KV_PARALLEL_MIN_TOKENS"):
+            monkeypatch.setattr(cpu, threshold, 0)
     cfg, model = _model(seed=7, **SHAPES[2])
     kv, ids, positions, meta = _batch(cfg, model, 4, np.random.default_rng(len(chunks)), chunks)
+    runs = _count_runs(monkeypatch)    # (after the prompts: the short ones ran as the kernel too)
     rows = np.arange(len(ids))
     for wanted in (rows, rows[np.cumsum(chunks) - 1]):    # every row; each sequence's last
         kv_ref, kv_got = kv.copy(), kv.copy()
@@ -231,9 +262,9 @@ def test_a_step_of_a_few_sequences_gives_the_layer_by_layer_floats(monkeypatch, 
 
 
 def test_other_steps_go_layer_by_layer():
-    """More than MAX_TOKENS tokens, a prompt long enough for the prompt path, a compressed pool,
-    or panels missing: ``decode_layers`` declines (None) and the model runs its layers one
-    kernel at a time."""
+    """More tokens than the panels take (PANEL_MAX_ROWS), a prompt long enough for the prompt
+    path, a compressed pool, or panels missing: ``decode_layers`` declines (None) and the model
+    runs its layers one kernel at a time."""
     cfg, model = _model(seed=1, **SHAPES[1])
     rng = np.random.default_rng(0)
     args = (model.scale, cfg.rms_norm_eps, model.cos, model.sin, cfg.num_attention_heads)
@@ -244,8 +275,8 @@ def test_other_steps_go_layer_by_layer():
                                 cpu.plan_attention(meta), *args)
         return out is None
 
-    assert not declines([1] * persistent_decode.MAX_TOKENS)
-    assert declines([1] * (persistent_decode.MAX_TOKENS + 1))
+    assert not declines([1] * cpu.PANEL_MAX_ROWS)
+    assert declines([1] * (cpu.PANEL_MAX_ROWS + 1))
     assert declines([cpu.BLAS_MIN_QUERIES])                  # a prompt: the prompt kernel's
     assert declines([1], pool=lambda kv: kv.astype(np.int8))
     assert persistent_decode.stack(model.layers, [type(p)() for p in model.packed]) is None
@@ -254,7 +285,7 @@ def test_other_steps_go_layer_by_layer():
 @pytest.mark.parametrize("n", [1, 2, 6])
 def test_generation_is_unchanged_by_the_persistent_kernel(tiny_model_dir, monkeypatch, n):
     """Greedy tokens and their log-probabilities through the engine, kernel on and off: one
-    sequence, two decoding together, and six (more than the kernel takes: layer by layer)."""
+    sequence, two and six decoding together."""
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
     prompts = ["The page table", "A frame", "Swap", "A block of sixteen", "Copy on write", "LRU"][:n]
     runs = _count_runs(monkeypatch)
@@ -265,7 +296,7 @@ def test_generation_is_unchanged_by_the_persistent_kernel(tiny_model_dir, monkey
         outputs[on] = [(c.token_ids, [sorted(lp.items()) for lp in c.logprobs])
                        for out in llm.generate(prompts, params) for c in out.outputs]
     assert outputs[True] == outputs[False]
-    assert len(runs) == (0 if n > persistent_decode.MAX_TOKENS else 11)   # every step after the prompts'
+    assert len(runs) == 12   # every step: the prompts' (each under BLAS_MIN_QUERIES tokens) and 11 decodes
 
 
 NO_HANG = """
@@ -284,7 +315,8 @@ try:
     model.forward(ids, positions, kv, meta, np.arange(2))
 except FloatingPointError as error:
     print("raised:", error)
-# rms_norm_eps = 0: the zero padding rows of a 2-token step divide by zero; the real rows do not
+# rms_norm_eps = 0: a zero row would divide by zero (a 2-token step's padding rows, which no norm
+# may touch); the real rows do not
 cfg, model = _model(seed=3, rms_norm_eps=0.0, **SHAPES[1])
 kv, ids, positions, meta = _batch(cfg, model, 16, np.random.default_rng(1), [1, 1])
 cpu.PERSISTENT_DECODE = False
@@ -297,8 +329,8 @@ print("eps 0 equal:", np.array_equal(model.forward(ids, positions, kv.copy(), me
 def test_a_failing_step_raises_instead_of_hanging():
     """No task may raise inside the region (a thread that left on an exception would never
     count its task done): a nan hidden state is reported after it, as FloatingPointError, and
-    the zero padding rows of a step under rms_norm_eps = 0 hurt no real row. In a child
-    process, so that a hang fails the test instead of stopping the suite."""
+    the zero padding rows of a step under rms_norm_eps = 0 hurt no real row (nor are they
+    normed). In a child process, so that a hang fails the test instead of stopping the suite."""
     import subprocess
     import sys
     from pathlib import Path

@@ -19,7 +19,6 @@ import pytest
 
 from minipaged.entrypoints.args import engine_kwargs
 from minipaged.entrypoints.cli import build_parser
-from minipaged.kernels import persistent_decode
 from minipaged.kernels import cpu, packed_gemm, reference
 from minipaged.engine import thread_pools
 from minipaged.tools import bench, roofline
@@ -110,19 +109,23 @@ def test_roofline_rows_against_the_models_own_arrays(tiny_model_dir, tmp_path, m
         assert row["matmul_flops"] == 2 * b * (layer_weights + head)
         # K and V of every context token read, and the new tokens' written
         assert row["kv_bytes"] == pytest.approx((row["mean_context"] * b + b) * kv_token_bytes)
-        assert 20 <= row["mean_context"] <= 20 + 3 * 3
+        assert 20 <= row["mean_context"] <= 20 + 3 * (2 * 2 + 1)   # each size: a warm-up, 2 steps, 2 layer by layer
         assert row["bound_s"] == pytest.approx(max(row["bytes"] / 1e10, row["flops"] / 2e10))
         assert row["ratio"] == pytest.approx(row["step_s"] / row["bound_s"])
         parts = row["breakdown_s"]
         assert set(parts) == {"matmuls", "lm_head", "attention", "other_kernels", "persistent", "sampler",
                               "python"}
         assert sum(parts.values()) == pytest.approx(row["step_s"], rel=1e-9)
-        if b <= persistent_decode.MAX_TOKENS:   # a few sequences: one persistent kernel (kernels/persistent_decode.py)
-            # (attention holds only plan_attention, made for the step before the kernel runs)
-            assert parts["persistent"] > 0 and parts["matmuls"] == parts["lm_head"] == 0
-        else:
-            assert parts["matmuls"] > 0 and parts["lm_head"] > 0 and parts["attention"] > 0
-            assert parts["persistent"] == 0
+        # a decode step runs as one persistent kernel (kernels/persistent_decode.py); attention
+        # holds only plan_attention, made for the step before the kernel runs
+        assert parts["persistent"] > 0 and parts["matmuls"] == parts["lm_head"] == 0
+        # then the same steps layer by layer, kernel by kernel: the split into the kernels
+        layers = row["layer_by_layer"]
+        split = layers["breakdown_s"]
+        assert split["matmuls"] > 0 and split["lm_head"] > 0 and split["attention"] > 0
+        assert split["persistent"] == 0
+        assert sum(split.values()) == pytest.approx(layers["step_s"], rel=1e-9)
+        assert layers["ratio"] == pytest.approx(layers["step_s"] / row["bound_s"])
     assert [r["prompt_len"] for r in report["prefill"]] == [24, 40]
     for row in report["prefill"]:
         t = row["prompt_len"]

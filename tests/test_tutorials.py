@@ -243,7 +243,8 @@ def test_t18_tensor_and_pipeline_parallelism():
 
 def test_t19_one_kernel_per_step():
     out = run_tutorial("19_one_kernel_per_step.py")
-    assert re.search(r"100,000 tasks: each run 1\.\.1 time\(s\); the counter ends at 100,0\d\d ", out)
+    assert "100,000 tasks: each run 1..1 time(s); the done counter reads 100,000" in out
+    assert re.search(r"iteration 0 ran [\d,]+ tasks, [\d,]+ of them from its own range \[0, ", out)
     assert ("30 layers, 10 phases each (one more for layer 0's first norm, one for the LM head): 302 phases "
             "in one parallel region") in out
     assert "the same logits, bit for bit: True; the same K/V written: True" in out

@@ -12,8 +12,9 @@ must do, and so its bound, the time it could not beat even on a perfect engine:
     bound = max(bytes / bandwidth, FLOPs / peak)
 
 Then real engine steps, timed against that bound and split into matrix products, the
-LM head, attention, the other kernels, the sampler and the Python around the model (steps of
-up to four sequences run their layers as one persistent kernel, tutorial 19: one column of their own).
+LM head, attention, the other kernels, the sampler and the Python around the model (a decode
+step runs its layers as one persistent kernel, tutorial 19: one column of its own; the same steps
+timed again layer by layer, kernel by kernel, give the split).
 Last, what the measurement taught while the CPU path was made fast: a BLAS product of a
 few rows costs far more than reading the weight once (OpenBLAS packs the whole weight
 into its own layout first, at every call), so ``kernels/cpu.py`` ``linear`` sends small
@@ -187,6 +188,12 @@ for row in decode + prefills:
     assert math.isclose(sum(parts.values()), row["step_s"], rel_tol=1e-9)   # every tick accounted for
     assert row["bound_s"] == max(row["bytes"] / bandwidth, row["flops"] / peak)
     assert math.isclose(row["ratio"], row["step_s"] / row["bound_s"])
+    if "layer_by_layer" in row:             # the same steps again, one kernel at a time
+        layers = row["layer_by_layer"]
+        print(f"  {'layers':>7} {'':4} {layers['step_s'] * 1e3:8.1f} {'':9} {layers['ratio']:6.2f}  "
+              + " ".join(f"{layers['breakdown_s'][p] * 1e3:13.2f}" for p in PARTS))
+        assert math.isclose(sum(layers["breakdown_s"].values()), layers["step_s"], rel_tol=1e-9)
+        assert layers["breakdown_s"]["persistent"] == 0 and layers["breakdown_s"]["matmuls"] > 0
 assert [row["batch"] for row in decode] == list(DECODE_BATCHES)
 assert all(row["bound_s"] == row["bytes"] / bandwidth for row in decode)           # memory's side
 assert prefills[0]["bound_s"] == prefills[0]["flops"] / peak                       # arithmetic's side
@@ -194,14 +201,15 @@ print("  ratio = step / bound: 1.00 would be the roofline")
 print("  the breakdown adds up to the step: matmuls (the layers' products), the LM head's product, "
       "attention, the other kernels (norms, rotary, SwiGLU, KV writes), the sampler, and the Python "
       "around the model (scheduler, inputs, outputs)")
-print("  the layers and LM head of a step of up to four sequences run as one persistent kernel (tutorial 19, "
-      "kernels/persistent_decode.py): at B=1, 2 and 4 their products, attention and small kernels are one "
-      "call, the persistent column")
+print("  the layers and LM head of a decode step run as one persistent kernel (tutorial 19, "
+      "kernels/persistent_decode.py): their products, attention and small kernels are one call, the "
+      "persistent column; the 'layers' line times the same steps again layer by layer, kernel by kernel, "
+      "which splits them (and shows what the one kernel saves)")
 
 
 def weights_time(row) -> float:
-    """Seconds of a step spent where the weights are read: the products and the LM head (at
-    B <= 4 the whole persistent kernel, its attention and small kernels included)."""
+    """Seconds of a step spent where the weights are read: the products and the LM head (in a
+    persistent step the whole kernel, its attention and small kernels included)."""
     parts = row["breakdown_s"]
     return parts["matmuls"] + parts["persistent"] + parts["lm_head"]
 

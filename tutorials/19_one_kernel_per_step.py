@@ -1,4 +1,4 @@
-"""Tutorial 19: one kernel per step, or a single sequence's decode without forks and joins.
+"""Tutorial 19: one kernel per step, or a decode step without forks and joins.
 
 Goal: make the one-sequence decode step (a chat, ``bench single-stream``) run at the speed
 of memory. That step reads every weight once, 538 MB for SmolLM2, and does almost no
@@ -10,17 +10,22 @@ kernel (``kernels/persistent_decode.py``) runs every layer in one parallel regio
 
 - the step is a fixed list of **phases**: a product's phase has many tasks (a run of its
   weight's panels each; the LM head's is the last phase); a norm, rotary with the KV write,
-  SiLU, the residual adds are phases of one task; attention has one task per work item;
+  SiLU, the residual adds are phases of one task a token; attention has one task per work item;
 - a thread **claims** a phase's next task by adding one to a counter, atomically
-  (``kernels/atomics.py``: the futex word of the analogy), runs it, and counts it done;
+  (``kernels/atomics.py``: the futex word of the analogy), runs it, and counts it done; each
+  thread has a contiguous range of each phase's tasks, with a counter of its own, and takes
+  the others' tasks only when its own are done (work stealing), so that it reads its share
+  of a weight front to back;
 - a thread with nothing left to claim **polls** the phase's done counter until the phase is
   complete, and meanwhile asks the memory for the next weight it will multiply, so that the
   bus streams weights while the other thread runs attention or a norm.
 
-The same kernel takes a step of up to four sequences (``MAX_TOKENS``, rows padded to a tile
-of the panels); here we follow a single one. We:
+The same kernel takes every decode step the panels multiply (up to ``cpu.PANEL_MAX_ROWS`` =
+128 tokens, rows padded to a multiple of 4, none of them a long prompt's); here we follow a
+single sequence. We:
 
-1. claim tasks from one counter on two threads, and check every task was run exactly once;
+1. claim tasks on two threads, each from its own range first, and check every task was run
+   exactly once;
 2. run a real single-sequence step both ways and compare the logits and the K/V written: the
    same floats, bit for bit, since every task calls the very kernels the layer-by-layer path
    calls, in the same order;
@@ -45,6 +50,10 @@ Exercises (also printed at the end):
      Which phases does the other thread spend its time in?
   3. Why may a task never wait for another task of the same phase? Sketch a phase where it
      would, and the iterations of step 3 that would then never finish.
+  4. In ``_product``, start every iteration's claims at range 0 instead of its own, so that
+     the threads take alternate tasks as from one shared counter, and time a step of eight
+     sequences both ways. Why does the panels' read-ahead care which thread ran the task
+     before?
 """
 
 import os
@@ -55,31 +64,40 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from minipaged.kernels import cpu, persistent_decode
-from minipaged.kernels.atomics import fetch_add
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
-TASKS = 100_000           # step 1: tasks handed out from one counter
+TASKS = 100_000           # step 1: tasks of one phase
 TOKENS = 32               # step 4: tokens generated each way
 
 
 @njit(parallel=True)
-def claim_all(counter, runs, iterations):
-    """Each iteration claims task numbers from counter[0] until none is left; runs[i] counts
-    how many times task i was run (an owned write: exactly one thread writes it)."""
-    for _ in prange(iterations):
-        task = fetch_add(counter, 0, 1)
+def claim_all(ctr, runs, owner):
+    """Iteration ``it`` claims the phase's tasks, its own range first (``_claim``), until none
+    is left anywhere; runs[i] counts how many times task i was run and owner[i] says which
+    iteration ran it (owned writes: exactly one thread writes each)."""
+    iterations = ctr.shape[1] // persistent_decode.LINE - 1          # one range each
+    for it in prange(iterations):
+        task, r = persistent_decode._claim(ctr, 0, runs.shape[0], it)
         while task < runs.shape[0]:
             runs[task] += 1
-            task = fetch_add(counter, 0, 1)
+            owner[task] = it
+            persistent_decode._done(ctr, 0)            # fetch_add on the phase's done counter
+            task, r = persistent_decode._claim(ctr, 0, runs.shape[0], r)
 
 
-print(f"1. Claiming tasks from one counter ({get_num_threads()} threads)")
-counter = np.zeros(1, np.int64)
+threads = get_num_threads()
+print(f"1. Claiming one phase's tasks ({threads} threads, a range of tasks each)")
+ctr = np.zeros((1, (threads + 1) * persistent_decode.LINE), np.int64)   # done, then a claim counter a range
 runs = np.zeros(TASKS, np.int64)
-claim_all(counter, runs, get_num_threads())
-print(f"  {TASKS:,} tasks: each run {runs.min()}..{runs.max()} time(s); the counter ends at {counter[0]:,} "
-      f"(every iteration's last claim found no task left)")
-assert runs.min() == runs.max() == 1 and counter[0] == TASKS + get_num_threads()
+owner = np.full(TASKS, -1, np.int64)
+claim_all(ctr, runs, owner)
+print(f"  {TASKS:,} tasks: each run {runs.min()}..{runs.max()} time(s); the done counter reads {ctr[0, 0]:,}")
+for it in range(threads):
+    lo, hi = it * TASKS // threads, (it + 1) * TASKS // threads
+    mine = owner == it
+    print(f"  iteration {it} ran {mine.sum():,} tasks, {mine[lo:hi].sum():,} of them from its own range "
+          f"[{lo:,}, {hi:,})")
+assert runs.min() == runs.max() == 1 and ctr[0, 0] == TASKS and owner.min() >= 0
 
 print(f"\n2. One step of one sequence, layer by layer and as one kernel ({MODEL})")
 engine = LLMEngine(MODEL, device="cpu", num_blocks=64, max_model_len=512, log_stats_interval=0)
@@ -141,7 +159,7 @@ for _ in range(3):
         cpu.PERSISTENT_DECODE = on
         engine.add_request(f"timed-{on}", "A thread that finds the lock taken can sleep or spin;",
                            SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
-        engine.step()                 # the prompt: layer by layer either way
+        engine.step()                 # the prompt (short: through the kernel too, when it is on)
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             for out in engine.step():

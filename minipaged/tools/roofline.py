@@ -147,8 +147,9 @@ def workload_floor(engine: LLMEngine, prompt_lens: list[int], output_len: int, m
 
 # --------------------------------------------------------------------------- timing the parts
 
-# A few sequences' layers and LM head run as one persistent kernel (kernels/persistent_decode.py):
-# their products, attention and small kernels share one call, timed as "persistent" (0 in other steps).
+# A decode step's layers and LM head run as one persistent kernel (kernels/persistent_decode.py):
+# their products, attention and small kernels share one call, timed as "persistent" (0 in other
+# steps). So each such row is timed a second time layer by layer, kernel by kernel, for the split.
 CATEGORY = {"linear": "matmuls", "paged_attention": "attention", "plan_attention": "attention",
             "rms_norm": "other_kernels", "rotary": "other_kernels", "silu_and_mul": "other_kernels",
             "write_kv": "other_kernels", "decode_layers": "persistent"}
@@ -236,10 +237,33 @@ class StepProfiler:
 # --------------------------------------------------------------------------- the measurements
 
 
+def _timed_steps(engine: LLMEngine, profiler: StepProfiler, steps: int) -> float:
+    """Seconds that ``steps`` engine steps take, the profiler counting from zero."""
+    profiler.reset()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return time.perf_counter() - start
+
+
+def _layer_by_layer(engine: LLMEngine, profiler: StepProfiler, steps: int) -> dict:
+    """Time ``steps`` more steps with the persistent kernel off (the model's layers one kernel
+    at a time, the same floats): their step time and its split into the kernels' parts."""
+    model = engine.runner.model
+    stack, model.persistent = model.persistent, None
+    try:
+        total = _timed_steps(engine, profiler, steps)
+    finally:
+        model.persistent = stack
+    return {"step_s": total / steps, "breakdown_s": profiler.breakdown(total, steps)}
+
+
 def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], context_len: int,
                    steps: int, progress=print) -> list[dict]:
     """Prefill max(batch_sizes) requests of ``context_len`` tokens, then time decode steps at
-    each batch size, largest first, aborting requests down to the next size."""
+    each batch size, largest first, aborting requests down to the next size. A row whose steps
+    ran as the persistent kernel is timed again layer by layer (``layer_by_layer``: its step
+    time, ratio and split into matmuls, attention, ...), ``steps`` steps more."""
     batch_sizes = sorted(set(batch_sizes), reverse=True)
     vocab = engine.model_config.vocab_size
     prompts = make_prompts(batch_sizes[0], context_len, context_len, vocab, seed=11)
@@ -260,11 +284,7 @@ def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], con
             engine.step()                                  # warm-up at this size
             running = list(engine.scheduler.running)
             contexts = [g.seqs[0].num_computed_tokens + 1 for g in running]   # after this step's token
-            profiler.reset()
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            total = time.perf_counter() - start
+            total = _timed_steps(engine, profiler, steps)
             if engine.scheduler.num_preemptions:
                 raise ValueError(f"the KV pool ({engine.block_manager.num_blocks} blocks) cannot hold "
                                  f"{batch_sizes[0]} sequences of {context_len}+ tokens, so requests were "
@@ -282,6 +302,9 @@ def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], con
             parts = row["breakdown_s"]   # a persistent step's products are timed with its layers
             row["matmul_gflop_s"] = cost["matmul_flops"] / (parts["matmuls"] + parts["lm_head"]
                                                             + parts["persistent"]) / 1e9
+            if parts["persistent"] > 0:  # the same steps layer by layer: where the time goes
+                row["layer_by_layer"] = _layer_by_layer(engine, profiler, steps)
+                row["layer_by_layer"]["ratio"] = row["layer_by_layer"]["step_s"] / row["bound_s"]
             rows.append(row)
             progress(f"decode B={row['batch']}: {step_time * 1e3:.1f} ms a step, bound "
                      f"{row['bound_s'] * 1e3:.1f} ms, {row['ratio']:.2f}x")
@@ -355,7 +378,7 @@ def run_roofline(engine_kwargs: dict, cfg: dict, progress=print) -> dict:
         raise ValueError("bench roofline measures the CPU backend (numpy's matmul peak, the CPU's read "
                          "bandwidth, synchronous kernels); run it with --device cpu")
     # the decode requests live through every batch size's warm-up and timed steps
-    decode_len = cfg["context_len"] + len(set(batch_sizes)) * (cfg["steps"] + 1) + 16
+    decode_len = cfg["context_len"] + len(set(batch_sizes)) * (2 * cfg["steps"] + 1) + 16
     longest = max([decode_len, *[n + 1 for n in prefill_lens]])
     given = engine_kwargs.get("max_model_len")
     if given is not None and given < longest:
@@ -390,6 +413,8 @@ def run_roofline(engine_kwargs: dict, cfg: dict, progress=print) -> dict:
     for row in decode + prefill:
         row["bound_s"] = bound(row, machine)
         row["ratio"] = row["step_s"] / row["bound_s"]
+        if "layer_by_layer" in row:
+            row["layer_by_layer"]["ratio"] = row["layer_by_layer"]["step_s"] / row["bound_s"]
         if "fraction_of_peak" in row:
             row["fraction_of_peak"] = row["flops"] / row["step_s"] / machine["matmul_peak"]
     return {"machine": machine, "decode": decode, "prefill": prefill}
