@@ -1278,9 +1278,10 @@ def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
 
 # --------------------------------------------------------------------------- a decode step, persistent
 
-# A decode step (up to PANEL_MAX_ROWS tokens, none of them a prompt's) runs every layer in one
-# parallel region whose threads claim tasks and poll counters instead of forking and joining ~300
-# times (kernels/persistent_decode.py); False: layer by layer, kernel by kernel, as every other step.
+# A decode step (up to PANEL_MAX_ROWS tokens, no prompt long enough for the prompt path) runs
+# every layer in one parallel region whose threads claim tasks and poll counters instead of
+# forking and joining ~300 times (kernels/persistent_decode.py); False: layer by layer, kernel by
+# kernel, as every other step.
 PERSISTENT_DECODE = True
 
 

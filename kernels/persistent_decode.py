@@ -13,7 +13,8 @@ Here the threads enter one region for all the layers (and the LM head, where thi
 holds it) and leave at the end. The step is a fixed list of **phases**: each product (qkv, o,
 gate/up, down, the head) is a phase of tasks, a run of its weight's panels each (about
 TASK_BYTES); the work between products (norms, rotary, the KV write, SiLU, the residual adds)
-is a phase of one task a token; attention is a phase of the plan's work items. A thread
+is a phase of one task a token (merging split attention, of one task); attention is a phase
+of the plan's work items. A thread
 **claims** a phase's next task by adding one to a counter (``kernels/atomics.py``), runs it,
 and counts it done in the phase's done counter; when no task is left it **polls** the done
 counter until the phase is complete, then goes on to the next phase. While it polls it asks

@@ -178,11 +178,13 @@ class LlamaModel:
         plan = ops.plan_attention(meta, self.gemm)   # how attention splits this batch, for every layer
         fused = logits = None
         if self.persistent is not None and not split and layer_quant is None and layer_bounds is None:
-            # a decode step (a prompt, or more tokens than the panels take, and ops declines); the
-            # LM head in the kernel too when every row's logits are wanted (prompt chunks want
-            # only their last row's: those few rows get the head below, as layer by layer)
-            with_head = (self.shard.is_last_stage and self.shard.has_lm_head
-                         and logits_indices.shape[0] >= hidden.shape[0])
+            # a decode step (a long prompt, or more tokens than the panels take, and ops declines);
+            # the LM head in the kernel too when the logits wanted are every row's, in order (prompt
+            # chunks want only their last rows', several samples of one prompt its last row more
+            # than once: those rows get the head below, as layer by layer, the same floats)
+            rows = hidden.shape[0]
+            with_head = (self.shard.is_last_stage and self.shard.has_lm_head and logits_indices.shape[0] == rows
+                         and bool((logits_indices == np.arange(rows)).all()))
             fused = ops.decode_layers(self.persistent, hidden, positions, kv_cache, plan, self.scale,
                                       c.rms_norm_eps, self.cos, self.sin, c.num_attention_heads, with_head)
         if fused is not None:                # every layer in one kernel: the same floats
@@ -193,9 +195,8 @@ class LlamaModel:
             return hidden
         if not self.shard.has_lm_head:       # the same hidden states as rank 0: nothing to add
             return None
-        if logits is not None:               # (T, vocab): the rows asked for
-            every_row = logits_indices.shape[0] == logits.shape[0] and (logits_indices == np.arange(logits.shape[0])).all()
-            return logits if every_row else logits[logits_indices]
+        if logits is not None:               # (T, vocab): every row, as asked
+            return logits
         if logits_indices.shape[0] == 0:      # a step of prompt chunks only: nothing to sample
             return ops.xp.empty((0, c.vocab_size), dtype=self.lm_head.dtype)
         last = ops.rms_norm(hidden[logits_indices], self.final_norm, c.rms_norm_eps)  # (N, hidden)

@@ -79,9 +79,7 @@ def test_every_task_is_claimed_exactly_once_across_threads(tasks):
         assert claimed_once.all()
         assert ctr[1, 0] == tasks                       # each counted done once
         assert not ctr[0].any() and not ctr[2].any()    # other phases' rows untouched
-        if tasks >= 1000:                               # a range's tasks go mostly to its own thread
-            home = np.repeat(np.arange(iterations), np.diff(np.arange(iterations + 1) * tasks // iterations))
-            assert (owner == home + 1).mean() > 0.5
+        # (which thread runs which range depends on when each wakes: tutorial 19 prints it)
 
 
 def _model(seed=0, **shape):
@@ -235,10 +233,11 @@ def _batch(cfg, model, block_size, rng, chunks):
 
 @pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("chunks", [[1, 1], [1, 1, 1], [1, 1, 1, 1], [2, 1], [3, 1], [1] * 6, [1] * 13, [1] * 24,
-                                    [5] + [1] * 9, [1] * 40])
+                                    [5] + [1] * 9, [1] * 40, [1] * 99 + [20]])
 def test_a_step_of_several_sequences_gives_the_layer_by_layer_floats(monkeypatch, chunks, threaded):
-    """Decodes of 2 to 40 sequences (rows padded to a multiple of 4: each tile shape of the
-    panels, 4 rows and AVX2's pairs of 6), or a short prompt chunk beside decodes: the same
+    """Decodes of 2 to 99 sequences (rows padded to a multiple of 4: each tile shape of the
+    panels, 4 rows and AVX2's pairs of 6; 119 rows in all, near PANEL_MAX_ROWS), or a short
+    prompt chunk beside decodes: the same
     logits, for every row and for a subset, and the same K/V written. ``threaded``: the
     layer-by-layer path runs its attention, norms, rotary, SiLU and KV writes on the thread pool."""
     if threaded:

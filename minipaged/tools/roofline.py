@@ -246,24 +246,32 @@ def _timed_steps(engine: LLMEngine, profiler: StepProfiler, steps: int) -> float
     return time.perf_counter() - start
 
 
-def _layer_by_layer(engine: LLMEngine, profiler: StepProfiler, steps: int) -> dict:
-    """Time ``steps`` more steps with the persistent kernel off (the model's layers one kernel
-    at a time, the same floats): their step time and its split into the kernels' parts."""
+def _layer_by_layer(engine: LLMEngine, profiler: StepProfiler, steps: int, machine: dict) -> dict:
+    """A warm-up step and ``steps`` timed steps more with the persistent kernel off (the
+    model's layers one kernel at a time, the same floats): their step time, its split into the
+    kernels' parts, and their own cost and bound (their contexts are longer by then)."""
     model = engine.runner.model
     stack, model.persistent = model.persistent, None
     try:
+        engine.step()                                  # warm-up: the layer path's kernels
+        running = engine.scheduler.running
+        mean_ctx = [g.seqs[0].num_computed_tokens + 1 + (steps - 1) / 2 for g in running]
         total = _timed_steps(engine, profiler, steps)
     finally:
         model.persistent = stack
-    return {"step_s": total / steps, "breakdown_s": profiler.breakdown(total, steps)}
+    cost = step_cost(engine, [1] * len(mean_ctx), mean_ctx, len(mean_ctx))
+    row = {"mean_context": float(np.mean(mean_ctx)), "step_s": total / steps,
+           "breakdown_s": profiler.breakdown(total, steps), "bound_s": bound(cost, machine), **cost}
+    row["ratio"] = row["step_s"] / row["bound_s"]
+    return row
 
 
 def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], context_len: int,
                    steps: int, progress=print) -> list[dict]:
     """Prefill max(batch_sizes) requests of ``context_len`` tokens, then time decode steps at
     each batch size, largest first, aborting requests down to the next size. A row whose steps
-    ran as the persistent kernel is timed again layer by layer (``layer_by_layer``: its step
-    time, ratio and split into matmuls, attention, ...), ``steps`` steps more."""
+    ran as the persistent kernel is timed again layer by layer (``layer_by_layer``: a warm-up
+    and ``steps`` steps more; their step time, bound, ratio and split into matmuls, attention, ...)."""
     batch_sizes = sorted(set(batch_sizes), reverse=True)
     vocab = engine.model_config.vocab_size
     prompts = make_prompts(batch_sizes[0], context_len, context_len, vocab, seed=11)
@@ -285,6 +293,10 @@ def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], con
             running = list(engine.scheduler.running)
             contexts = [g.seqs[0].num_computed_tokens + 1 for g in running]   # after this step's token
             total = _timed_steps(engine, profiler, steps)
+            step_time = total / steps
+            breakdown = profiler.breakdown(total, steps)
+            if breakdown["persistent"] > 0:  # the same kind of steps layer by layer: where the time goes
+                layers = _layer_by_layer(engine, profiler, steps, machine)
             if engine.scheduler.num_preemptions:
                 raise ValueError(f"the KV pool ({engine.block_manager.num_blocks} blocks) cannot hold "
                                  f"{batch_sizes[0]} sequences of {context_len}+ tokens, so requests were "
@@ -293,18 +305,16 @@ def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], con
             if len(engine.scheduler.running) != len(running):
                 raise RuntimeError("a decode request finished while it was being timed; "
                                    "give the engine a longer max_model_len")
-            step_time = total / steps
             mean_ctx = [c + (steps - 1) / 2 for c in contexts]
             cost = step_cost(engine, [1] * len(running), mean_ctx, len(running))
             row = {"batch": len(running), "mean_context": float(np.mean(mean_ctx)), "step_s": step_time,
-                   "bound_s": bound(cost, machine), "breakdown_s": profiler.breakdown(total, steps), **cost}
+                   "bound_s": bound(cost, machine), "breakdown_s": breakdown, **cost}
             row["ratio"] = row["step_s"] / row["bound_s"]
             parts = row["breakdown_s"]   # a persistent step's products are timed with its layers
             row["matmul_gflop_s"] = cost["matmul_flops"] / (parts["matmuls"] + parts["lm_head"]
                                                             + parts["persistent"]) / 1e9
-            if parts["persistent"] > 0:  # the same steps layer by layer: where the time goes
-                row["layer_by_layer"] = _layer_by_layer(engine, profiler, steps)
-                row["layer_by_layer"]["ratio"] = row["layer_by_layer"]["step_s"] / row["bound_s"]
+            if parts["persistent"] > 0:
+                row["layer_by_layer"] = layers
             rows.append(row)
             progress(f"decode B={row['batch']}: {step_time * 1e3:.1f} ms a step, bound "
                      f"{row['bound_s'] * 1e3:.1f} ms, {row['ratio']:.2f}x")
@@ -378,7 +388,7 @@ def run_roofline(engine_kwargs: dict, cfg: dict, progress=print) -> dict:
         raise ValueError("bench roofline measures the CPU backend (numpy's matmul peak, the CPU's read "
                          "bandwidth, synchronous kernels); run it with --device cpu")
     # the decode requests live through every batch size's warm-up and timed steps
-    decode_len = cfg["context_len"] + len(set(batch_sizes)) * (2 * cfg["steps"] + 1) + 16
+    decode_len = cfg["context_len"] + len(set(batch_sizes)) * (2 * cfg["steps"] + 2) + 16
     longest = max([decode_len, *[n + 1 for n in prefill_lens]])
     given = engine_kwargs.get("max_model_len")
     if given is not None and given < longest:
@@ -414,7 +424,9 @@ def run_roofline(engine_kwargs: dict, cfg: dict, progress=print) -> dict:
         row["bound_s"] = bound(row, machine)
         row["ratio"] = row["step_s"] / row["bound_s"]
         if "layer_by_layer" in row:
-            row["layer_by_layer"]["ratio"] = row["layer_by_layer"]["step_s"] / row["bound_s"]
+            layers = row["layer_by_layer"]
+            layers["bound_s"] = bound(layers, machine)
+            layers["ratio"] = layers["step_s"] / layers["bound_s"]
         if "fraction_of_peak" in row:
             row["fraction_of_peak"] = row["flops"] / row["step_s"] / machine["matmul_peak"]
     return {"machine": machine, "decode": decode, "prefill": prefill}
