@@ -24,7 +24,8 @@ from .kv_quant import (K_SCALE_CONSTANT, KV_FLOAT, KV_FP8_E4M3, KV_FP8_E5M2, KV_
 from .fast_math import fast_exp
 from .layout import AttentionMetadata, BlockBounds, KVQuant
 from . import persistent_decode, prompt_attention
-from .panel_gemm import PanelWeight, pack as pack_panels
+from .huge_pages import Arena
+from .panel_gemm import PanelWeight, pack as pack_panels, panel_shape
 from .simd import (LANES, SIMD_CACHE, prefetch, vbroadcast, vfma, vload, vmax, vmax_lanes, vmul, vsplat, vstore,
                    vsum, vzero)
 
@@ -1119,11 +1120,21 @@ def _skinny_linear(x, w, out, chunks):
             n += 1
 
 
-def pack_linear(w: np.ndarray) -> PanelWeight | None:
+def pack_linear(w: np.ndarray, into: np.ndarray | None = None) -> PanelWeight | None:
     """The copy of a linear weight w (out, in) that decode steps multiply by: its panels
-    (``kernels/panel_gemm.py``), made once when the model loads; None for a weight that is
-    not float32 (the panels are float32 only)."""
-    return pack_panels(w) if w.ndim == 2 and w.dtype == np.float32 else None
+    (``kernels/panel_gemm.py``), made once when the model loads, in ``into`` when given (an
+    array of ``panel_shape``); None for a weight that is not float32 (the panels are float32
+    only)."""
+    return pack_panels(w, into) if w.ndim == 2 and w.dtype == np.float32 else None
+
+
+def pack_linears(weights: list[np.ndarray]) -> list[PanelWeight | None]:
+    """``pack_linear`` for every linear weight of a model, their panels back to back in one
+    region of huge pages (``kernels/huge_pages.py``): a decode step streams them all, and 2 MB
+    pages spare it a TLB miss every 4 KB."""
+    shapes = [panel_shape(*w.shape) if w.ndim == 2 and w.dtype == np.float32 else None for w in weights]
+    arena = Arena(sum(Arena.footprint(shape) for shape in shapes if shape is not None))
+    return [pack_linear(w, arena.take(shape)) if shape is not None else None for w, shape in zip(weights, shapes)]
 
 
 def linear(x: np.ndarray, w: np.ndarray, packed=None) -> np.ndarray:

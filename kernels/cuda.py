@@ -169,6 +169,10 @@ class CudaOps:
         """None: cuBLAS reads every weight in the checkpoint's layout, so no second copy is made."""
         return None
 
+    def pack_linears(self, weights):
+        """``pack_linear`` of each weight: None for every one."""
+        return [self.pack_linear(w) for w in weights]
+
     def linear(self, x, w, packed=None):
         """x (T, in) times w (out, in) -> x @ w.T, (T, out): cuBLAS through CuPy, which reads
         the transposed view in place (NumPy's BLAS in the harness). ``packed`` (a CPU-side

@@ -81,16 +81,29 @@ class PanelWeight:
         return panel_linear(x, self, num_threads)
 
 
-def pack(w: np.ndarray) -> PanelWeight:
-    """w (out, in) float32 -> its panels (``PanelWeight``), made once."""
+def panel_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """The shape of an (out, in) weight's panels: (panels, in, PANEL), out padded to PANEL."""
+    return -(-out_features // PANEL), in_features, PANEL
+
+
+def pack(w: np.ndarray, into: np.ndarray | None = None) -> PanelWeight:
+    """w (out, in) float32 -> its panels (``PanelWeight``), made once: written into ``into``
+    (a C-contiguous float32 array of ``panel_shape``, such as a view of one region that holds
+    every panel of a model, ``kernels/huge_pages.py``), or a new array."""
     if w.ndim != 2 or w.dtype != np.float32:
         raise ValueError(f"pack: w must be a (out, in) float32 matrix, got {w.dtype} {w.shape}")
     out_features, in_features = w.shape
-    panels = -(-out_features // PANEL)
+    shape = panel_shape(out_features, in_features)
+    if into is None:
+        into = np.empty(shape, np.float32)
+    elif into.shape != shape or into.dtype != np.float32 or not into.flags.c_contiguous:
+        raise ValueError(f"pack: into must be a C-contiguous float32 array of shape {shape}, "
+                         f"got {into.dtype} {into.shape}")
+    panels = shape[0]
     padded = np.zeros((panels * PANEL, in_features), np.float32)         # (panels * PANEL, in)
     padded[:out_features] = w
-    data = np.ascontiguousarray(padded.reshape(panels, PANEL, in_features).transpose(0, 2, 1))
-    return PanelWeight(data, out_features, in_features)                 # data: (panels, in, PANEL)
+    into[...] = padded.reshape(panels, PANEL, in_features).transpose(0, 2, 1)
+    return PanelWeight(into, out_features, in_features)                 # data: (panels, in, PANEL)
 
 
 def panel_linear(x: np.ndarray, w: PanelWeight, num_threads: int) -> np.ndarray:

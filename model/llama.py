@@ -83,7 +83,7 @@ class LlamaModel:
         ``shard_tensors``) when ``shard`` says it holds a slice of a bigger model. ``gemm``: a
         ``kernels.packed_gemm.PackedGemm`` (CPU, oneMKL installed): every linear weight and the
         LM head get a packed copy, packed once here, which ``ops.linear`` multiplies by; without
-        it they get ``ops.pack_linear``'s copy (the CPU's panels, or None on the GPU)."""
+        it they get ``ops.pack_linears``' copy (the CPU's panels, or None on the GPU)."""
         self.config = config
         self.shard = shard or ShardSpec()
         self.ops = ops
@@ -125,12 +125,16 @@ class LlamaModel:
         # (out, in) arrays, which stay what prefill's BLAS, the tutorials, the sharding and
         # the GPU read: oneMKL's packed layout with ``gemm`` (~1.5x the weights' size more
         # resident memory, docs/kernels.md), else the CPU's panels for decode steps
-        # (``ops.pack_linear``, kernels/panel_gemm.py: the weights' size again; the GPU makes none).
+        # (``ops.pack_linears``, kernels/panel_gemm.py: the weights' size again; the GPU makes none).
         self.gemm = gemm                     # also multiplies a prompt's attention (kernels/cpu.py)
-        pack = gemm.pack_if_worth_it if gemm is not None else ops.pack_linear
-        self.packed = [PackedLayer(*(pack(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)))
-                       for layer in self.layers]
-        self.lm_head_packed = pack(self.lm_head) if self.lm_head is not None else None
+        # The CPU's panels of every weight lie back to back in one region of huge pages
+        # (``ops.pack_linears``, kernels/huge_pages.py), which a decode step streams through.
+        weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        weights += [self.lm_head] if self.lm_head is not None else []
+        packed = ([gemm.pack_if_worth_it(w) for w in weights] if gemm is not None
+                  else ops.pack_linears(weights))
+        self.packed = [PackedLayer(*packed[4 * i:4 * i + 4]) for i in range(len(self.layers))]
+        self.lm_head_packed = packed[-1] if self.lm_head is not None else None
         # A decode step runs every layer in one persistent kernel where the ops have one (the
         # CPU's, on the panels: kernels/persistent_decode.py); views, no weight copied.
         make_stack = getattr(ops, "persistent_layers", None)

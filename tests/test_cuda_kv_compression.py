@@ -256,6 +256,9 @@ class LockStep:
     def pack_linear(self, w):
         return cpu.pack_linear(w)
 
+    def pack_linears(self, weights):
+        return cpu.pack_linears(weights)
+
     def linear(self, x, w, packed=None):
         want = cpu.linear(x, w, packed)
         np.testing.assert_allclose(self.cuda.linear(x, w), want, rtol=1e-4, atol=1e-4 * np.sqrt(w.shape[1]))

@@ -23,7 +23,8 @@ products to Numba kernels that stream each weight once for all of their rows:
 by dot product, and the panel kernel (up to PANEL_MAX_ROWS = 128 rows: every decode batch
 up to 128; ``kernels/panel_gemm.py``, on ``kernels/simd.py``'s registers) reads a copy of
 each weight laid out once, at load, for the product, which is what the engine multiplies
-by; that packing once, instead of at every call, is also what a
+by (every weight's panels in one region of 2 MB pages, ``kernels/huge_pages.py``, so that the
+TLB covers them); that packing once, instead of at every call, is also what a
 vendor's library offers (oneMKL's packed GEMM, ``kernels/packed_gemm.py``, used from 8 rows
 on Intel's CPUs when installed); and two thread pools on the same cores must spin only
 briefly while they wait, then sleep.
@@ -81,7 +82,7 @@ from minipaged import LLMEngine  # before numpy: it sets up numpy's thread pools
 import numpy as np
 import numba
 from minipaged.engine import thread_pools
-from minipaged.kernels import cpu
+from minipaged.kernels import cpu, huge_pages
 from minipaged.kernels.panel_gemm import PANEL, TILE_ROWS, PanelWeight
 from minipaged.kernels.simd import LANES, REGISTERS
 from minipaged.tools import roofline
@@ -286,6 +287,22 @@ print("  docs/benchmarks.md records whole steps' products (2-core AMD EPYC, AVX-
       "skinny kernel took 43-44 ms for 8 rows, 59-60 for 16, 111-121 for 64; the panels 26-27, 42, 96 "
       "(the weights streamed near the memory's speed up to 8 rows, then the multiply-adds near their peak); "
       "on an AVX2 EPYC (Zen 3) the AVX-512 shapes spilled their sums (241 ms at 64 rows), the AVX2 ones 105")
+# The model packed every weight's panels back to back into one region of huge pages
+# (cpu.pack_linears, kernels/huge_pages.py): the TLB, the page table's cache, covers 2 MB an
+# entry there instead of 4 KB.
+region = [p.data for layer in model.packed for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+region += [model.lm_head_packed.data] if model.lm_head_packed is not None else []
+first, last = region[0].ctypes.data, region[-1].ctypes.data + region[-1].nbytes
+assert all(a.ctypes.data < b.ctypes.data for a, b in zip(region, region[1:]))   # in order, in one region
+span = last - first
+print(f"  every panel lies in one region of {fmt_bytes(span)}: {-(-span // 4096):,} pages of 4 KB, or "
+      f"{-(-span // huge_pages.HUGE_PAGE):,} of 2 MB, for a TLB of a few thousand entries; a decode step "
+      "streams it all, and with 4 KB pages each 4 KB of it waits for a walk of the page table")
+mapping = huge_pages.mapping_of(region[0])
+if mapping is not None:
+    print(f"  Linux was {'asked' if mapping['advised'] else 'not asked'} for huge pages on it "
+          f"(madvise MADV_HUGEPAGE), and backs {mapping['huge_bytes'] / max(1, mapping['bytes']):.0%} of it with "
+          "2 MB pages now (/proc/self/smaps); one-sequence steps ran 2-5% faster so (docs/benchmarks.md)")
 
 print("\n5. Packing once: the CPU maker's own GEMM (oneMKL)")
 gemm = engine.backend.gemm                  # kernels/packed_gemm.py: None without the mkl wheel or with --cpu-gemm numba
