@@ -1133,6 +1133,8 @@ def pack_linears(weights: list[np.ndarray]) -> list[PanelWeight | None]:
     region of huge pages (``kernels/huge_pages.py``): a decode step streams them all, and 2 MB
     pages spare it a TLB miss every 4 KB."""
     shapes = [panel_shape(*w.shape) if w.ndim == 2 and w.dtype == np.float32 else None for w in weights]
+    if not any(shapes):
+        return [None] * len(weights)                 # nothing float32: no region
     arena = Arena(sum(Arena.footprint(shape) for shape in shapes if shape is not None))
     return [pack_linear(w, arena.take(shape)) if shape is not None else None for w, shape in zip(weights, shapes)]
 

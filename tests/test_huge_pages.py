@@ -67,6 +67,7 @@ def test_panels_in_the_arena_are_the_panels_and_multiply_as_numpy():
     bases = [p.data.ctypes.data for p in packed[:-1]]
     assert bases == sorted(bases) and bases[-1] - bases[0] < HUGE_PAGE   # back to back in one region
     assert cpu.pack_linears([]) == []
+    assert cpu.pack_linears([np.ones((4, 4), np.float16)]) == [None]   # no float32 weight: no region
 
 
 def test_pack_into_refuses_a_wrong_destination():
