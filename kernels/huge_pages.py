@@ -8,9 +8,9 @@ the step's prefetches wait for like any load. Backed by 2 MB pages, the same TLB
 
 Linux backs anonymous memory with 2 MB pages where the program asks (``madvise(MADV_HUGEPAGE)``,
 transparent huge pages in their default "madvise" mode). NumPy asks for its own allocations of
-4 MB or more, but most of a small model's panels are smaller than that (1.3-3.5 MB each for
+4 MB or more, but many of a small model's panels are smaller than that (1.3-3.5 MB each for
 SmolLM2's o, qkv and down projections), and a region must hold whole, aligned 2 MB pages to
-be backed by them: in the engine, a third of the layers' panels sat in 4 KB pages.
+be backed by them: in the engine, about a third of the layers' panels sat in 4 KB pages.
 
 ``Arena`` maps one region for every panel of a model, asks for huge pages on it, and hands out
 64-byte-aligned views front to back (a bump allocator: nothing is ever freed on its own; the
@@ -31,24 +31,28 @@ ALIGN = 64            # bytes: every view starts on a cache line
 
 def huge_page_region(nbytes: int) -> np.ndarray:
     """A zeroed, writable (n,) uint8 array of at least ``nbytes`` bytes (rounded up to whole
-    huge pages) on an anonymous mapping advised for huge pages where the OS can; the array
-    keeps the mapping alive."""
+    huge pages), starting on a 2 MB boundary of an anonymous mapping advised for huge pages where
+    the OS can; the array keeps the mapping alive. (Linux aligns large anonymous mappings to
+    2 MB only from 6.7 on; a region that started elsewhere would keep a partial page at each end
+    in 4 KB pages, so one more huge page is mapped and the array starts at its first boundary.)"""
     if nbytes < 0:
         raise ValueError(f"huge_page_region: nbytes must be >= 0, got {nbytes}")
     size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
     # anonymous and private (a shared anonymous mapping is shmem, which Linux keeps in 4 KB
     # pages by default): page-aligned and zeroed
     if hasattr(mmap, "MAP_ANONYMOUS"):
-        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     else:                                        # Windows: the system's paging file
-        region = mmap.mmap(-1, size)
+        region = mmap.mmap(-1, size + HUGE_PAGE)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
         try:
             region.madvise(advice)
         except OSError:                          # a kernel built without transparent huge pages
             pass
-    return np.frombuffer(region, np.uint8)
+    memory = np.frombuffer(region, np.uint8)     # (size + HUGE_PAGE,)
+    start = -memory.ctypes.data % HUGE_PAGE      # bytes to the first 2 MB boundary
+    return memory[start:start + size]
 
 
 class Arena:

@@ -4,6 +4,7 @@ NumPy product, and on Linux a mapping the kernel was asked to back with 2 MB pag
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 
@@ -18,6 +19,7 @@ from minipaged.kernels.panel_gemm import pack, panel_linear, panel_shape
 def test_region_is_zeroed_rounded_to_huge_pages_and_advised():
     region = huge_page_region(3 * HUGE_PAGE + 1)
     assert region.dtype == np.uint8 and region.nbytes == 4 * HUGE_PAGE
+    assert region.ctypes.data % HUGE_PAGE == 0                 # on a huge page's boundary
     assert not region.any() and region.flags.writeable
     region[-1] = 7                                             # writable to its last byte
     assert huge_page_region(0).nbytes == HUGE_PAGE
@@ -28,7 +30,8 @@ def test_region_is_zeroed_rounded_to_huge_pages_and_advised():
         assert mapping["bytes"] >= region.nbytes
         # madvise(MADV_HUGEPAGE) took, wherever the kernel has transparent huge pages at all
         assert mapping["advised"] == os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
-        assert mapping_of(np.zeros(10))["advised"] is False             # the heap: not advised
+        plain = np.frombuffer(mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
+        assert mapping_of(plain)["advised"] is False                   # a mapping nobody advised
     else:
         assert mapping is None
 

@@ -290,19 +290,22 @@ print("  docs/benchmarks.md records whole steps' products (2-core AMD EPYC, AVX-
 # The model packed every weight's panels back to back into one region of huge pages
 # (cpu.pack_linears, kernels/huge_pages.py): the TLB, the page table's cache, covers 2 MB an
 # entry there instead of 4 KB.
-region = [p.data for layer in model.packed for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-region += [model.lm_head_packed.data] if model.lm_head_packed is not None else []
-first, last = region[0].ctypes.data, region[-1].ctypes.data + region[-1].nbytes
-assert all(a.ctypes.data < b.ctypes.data for a, b in zip(region, region[1:]))   # in order, in one region
-span = last - first
-print(f"  every panel lies in one region of {fmt_bytes(span)}: {-(-span // 4096):,} pages of 4 KB, or "
-      f"{-(-span // huge_pages.HUGE_PAGE):,} of 2 MB, for a TLB of a few thousand entries; a decode step "
-      "streams it all, and with 4 KB pages each 4 KB of it waits for a walk of the page table")
-mapping = huge_pages.mapping_of(region[0])
-if mapping is not None:
-    print(f"  Linux was {'asked' if mapping['advised'] else 'not asked'} for huge pages on it "
-          f"(madvise MADV_HUGEPAGE), and backs {mapping['huge_bytes'] / max(1, mapping['bytes']):.0%} of it with "
-          "2 MB pages now (/proc/self/smaps); one-sequence steps ran 2-5% faster so (docs/benchmarks.md)")
+# (With oneMKL's packing, on Intel's CPUs, the copies are oneMKL's own and this part is skipped.)
+copies = [p for layer in model.packed for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+copies += [model.lm_head_packed]
+region = [p.data for p in copies if isinstance(p, PanelWeight)]
+if region:
+    first, last = region[0].ctypes.data, region[-1].ctypes.data + region[-1].nbytes
+    assert all(a.ctypes.data < b.ctypes.data for a, b in zip(region, region[1:]))   # in order, in one region
+    span = last - first
+    print(f"  every panel lies in one region of {fmt_bytes(span)}: {-(-span // 4096):,} pages of 4 KB, or "
+          f"{-(-span // huge_pages.HUGE_PAGE):,} of 2 MB, for a TLB of a few thousand entries; a decode step "
+          "streams it all, and with 4 KB pages each 4 KB of it waits for a walk of the page table")
+    mapping = huge_pages.mapping_of(region[0])
+    if mapping is not None:
+        print(f"  Linux was {'asked' if mapping['advised'] else 'not asked'} for huge pages on it "
+              f"(madvise MADV_HUGEPAGE), and backs {mapping['huge_bytes'] / max(1, mapping['bytes']):.0%} of it "
+              "with 2 MB pages now (/proc/self/smaps); one-sequence steps ran 2-5% faster so (docs/benchmarks.md)")
 
 print("\n5. Packing once: the CPU maker's own GEMM (oneMKL)")
 gemm = engine.backend.gemm                  # kernels/packed_gemm.py: None without the mkl wheel or with --cpu-gemm numba
