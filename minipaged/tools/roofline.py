@@ -254,14 +254,21 @@ def _layer_by_layer(engine: LLMEngine, profiler: StepProfiler, steps: int, machi
     stack, model.persistent = model.persistent, None
     try:
         engine.step()                                  # warm-up: the layer path's kernels
-        running = engine.scheduler.running
-        mean_ctx = [g.seqs[0].num_computed_tokens + 1 + (steps - 1) / 2 for g in running]
+        contexts = [g.seqs[0].num_computed_tokens + 1 for g in engine.scheduler.running]
         total = _timed_steps(engine, profiler, steps)
     finally:
         model.persistent = stack
+    return _decode_row(engine, machine, contexts, total, steps, profiler.breakdown(total, steps))
+
+
+def _decode_row(engine: LLMEngine, machine: dict, contexts: list[int], total: float, steps: int,
+                breakdown: dict) -> dict:
+    """A row of ``steps`` decode steps that took ``total`` seconds, whose sequences held
+    ``contexts`` tokens at the first of them: mean context, step time, cost, bound and ratio."""
+    mean_ctx = [c + (steps - 1) / 2 for c in contexts]
     cost = step_cost(engine, [1] * len(mean_ctx), mean_ctx, len(mean_ctx))
-    row = {"mean_context": float(np.mean(mean_ctx)), "step_s": total / steps,
-           "breakdown_s": profiler.breakdown(total, steps), "bound_s": bound(cost, machine), **cost}
+    row = {"mean_context": float(np.mean(mean_ctx)), "step_s": total / steps, "bound_s": bound(cost, machine),
+           "breakdown_s": breakdown, **cost}
     row["ratio"] = row["step_s"] / row["bound_s"]
     return row
 
@@ -293,7 +300,6 @@ def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], con
             running = list(engine.scheduler.running)
             contexts = [g.seqs[0].num_computed_tokens + 1 for g in running]   # after this step's token
             total = _timed_steps(engine, profiler, steps)
-            step_time = total / steps
             breakdown = profiler.breakdown(total, steps)
             if breakdown["persistent"] > 0:  # the same kind of steps layer by layer: where the time goes
                 layers = _layer_by_layer(engine, profiler, steps, machine)
@@ -305,18 +311,14 @@ def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], con
             if len(engine.scheduler.running) != len(running):
                 raise RuntimeError("a decode request finished while it was being timed; "
                                    "give the engine a longer max_model_len")
-            mean_ctx = [c + (steps - 1) / 2 for c in contexts]
-            cost = step_cost(engine, [1] * len(running), mean_ctx, len(running))
-            row = {"batch": len(running), "mean_context": float(np.mean(mean_ctx)), "step_s": step_time,
-                   "bound_s": bound(cost, machine), "breakdown_s": breakdown, **cost}
-            row["ratio"] = row["step_s"] / row["bound_s"]
+            row = {"batch": len(running), **_decode_row(engine, machine, contexts, total, steps, breakdown)}
             parts = row["breakdown_s"]   # a persistent step's products are timed with its layers
-            row["matmul_gflop_s"] = cost["matmul_flops"] / (parts["matmuls"] + parts["lm_head"]
-                                                            + parts["persistent"]) / 1e9
+            row["matmul_gflop_s"] = row["matmul_flops"] / (parts["matmuls"] + parts["lm_head"]
+                                                           + parts["persistent"]) / 1e9
             if parts["persistent"] > 0:
                 row["layer_by_layer"] = layers
             rows.append(row)
-            progress(f"decode B={row['batch']}: {step_time * 1e3:.1f} ms a step, bound "
+            progress(f"decode B={row['batch']}: {row['step_s'] * 1e3:.1f} ms a step, bound "
                      f"{row['bound_s'] * 1e3:.1f} ms, {row['ratio']:.2f}x")
     finally:
         profiler.close()
@@ -421,12 +423,9 @@ def run_roofline(engine_kwargs: dict, cfg: dict, progress=print) -> dict:
     for key in end:
         machine[key] = max(probe[key] for probe in machine["probes"])
     for row in decode + prefill:
-        row["bound_s"] = bound(row, machine)
-        row["ratio"] = row["step_s"] / row["bound_s"]
-        if "layer_by_layer" in row:
-            layers = row["layer_by_layer"]
-            layers["bound_s"] = bound(layers, machine)
-            layers["ratio"] = layers["step_s"] / layers["bound_s"]
+        for timed in filter(None, (row, row.get("layer_by_layer"))):   # a row, and its steps layer by layer
+            timed["bound_s"] = bound(timed, machine)
+            timed["ratio"] = timed["step_s"] / timed["bound_s"]
         if "fraction_of_peak" in row:
             row["fraction_of_peak"] = row["flops"] / row["step_s"] / machine["matmul_peak"]
     return {"machine": machine, "decode": decode, "prefill": prefill}
