@@ -191,7 +191,8 @@ def test_t14_the_roofline():
     assert re.search(r"prefill 256 +561\.7 MB .* compute-bound", out)
     assert "8 sequences share the weights but each reads its own KV: 3.79 FLOP/byte, 7.4x, not 8x" in out
     assert "measured: prefilled 4 x 128 tokens in" in out and "measured: prefill 256:" in out
-    assert re.search(r"\n +B=1 +\d+ +[\d.]+ +[\d.]+ +[\d.]+ ", out) and re.search(r"\n +T=256 +[\d.]+ ", out)
+    assert re.search(r"\n +B=1 +\d+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ ", out) and re.search(r"\n +T=256 +[\d.]+ ", out)
+    assert "serial: the bound if attention's K/V reading cannot hide under the products' arithmetic" in out
     assert "the LM head is tied: the embedding matrix itself, read once per step (49,152 x 576)" in out
     assert re.search(r"\n +B=2: [\d.]+x the bound of B=1, .*\(linear: (panels|skinny kernel), step 4\)", out)
     assert "the weight: 3072 x 576 float32 (7.1 MB)" in out

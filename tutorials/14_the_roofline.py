@@ -177,18 +177,22 @@ decode = roofline.measure_decode(engine, machine, list(DECODE_BATCHES), context_
                                  steps=DECODE_STEPS, progress=lambda line: print("  measured: " + line))
 prefills = roofline.measure_prefill(engine, machine, [PREFILL_LEN], repeats=1,
                                     progress=lambda line: print("  measured: " + line))
-print(f"  {'step':>7} {'ctx':>4} {'step ms':>8} {'bound ms':>9} {'ratio':>6}  "
+print(f"  {'step':>7} {'ctx':>4} {'step ms':>8} {'bound ms':>9} {'ratio':>6} {'serial':>7}  "
       + " ".join(f"{p:>13}" for p in PARTS) + "   (ms per step)")
 for row in decode + prefills:
     name = f"B={row['batch']}" if "batch" in row else f"T={row['prompt_len']}"
     ctx = f"{row['mean_context']:4.0f}" if "batch" in row else "    "
-    print(f"  {name:>7} {ctx} {row['step_s'] * 1e3:8.1f} {row['bound_s'] * 1e3:9.1f} {row['ratio']:6.2f}  "
-          + " ".join(f"{row['breakdown_s'][p] * 1e3:13.2f}" for p in PARTS))
+    print(f"  {name:>7} {ctx} {row['step_s'] * 1e3:8.1f} {row['bound_s'] * 1e3:9.1f} {row['ratio']:6.2f} "
+          f"{row['serial_bound_s'] * 1e3:7.1f}  " + " ".join(f"{row['breakdown_s'][p] * 1e3:13.2f}" for p in PARTS))
     parts = row["breakdown_s"]
     assert set(parts) == set(PARTS)
     assert math.isclose(sum(parts.values()), row["step_s"], rel_tol=1e-9)   # every tick accounted for
     assert row["bound_s"] == max(row["bytes"] / bandwidth, row["flops"] / peak)
     assert math.isclose(row["ratio"], row["step_s"] / row["bound_s"])
+    # the serial bound: the products' own bound, then attention's K/V and FLOPs after it
+    products = max((row["bytes"] - row["kv_bytes"]) / bandwidth, row["matmul_flops"] / peak)
+    assert math.isclose(row["serial_bound_s"],
+                        products + row["kv_bytes"] / bandwidth + row["attention_flops"] / peak)
     if "layer_by_layer" in row:             # the same steps again, one kernel at a time
         layers = row["layer_by_layer"]
         print(f"  {'layers':>7} {'':4} {layers['step_s'] * 1e3:8.1f} {'':9} {layers['ratio']:6.2f}  "
@@ -199,6 +203,9 @@ assert [row["batch"] for row in decode] == list(DECODE_BATCHES)
 assert all(row["bound_s"] == row["bytes"] / bandwidth for row in decode)           # memory's side
 assert prefills[0]["bound_s"] == prefills[0]["flops"] / peak                       # arithmetic's side
 print("  ratio = step / bound: 1.00 would be the roofline")
+print("  serial: the bound if attention's K/V reading cannot hide under the products' arithmetic (the "
+      "products' bound plus attention's): on a machine of few cores, where each core runs one or the "
+      "other, a compute-bound step of many sequences cannot beat it (docs/benchmarks.md)")
 print("  the breakdown adds up to the step: matmuls (the layers' products), the LM head's product, "
       "attention, the other kernels (norms, rotary, SwiGLU, KV writes), the sampler, and the Python "
       "around the model (scheduler, inputs, outputs)")

@@ -10,7 +10,11 @@ again at the end, and the bounds use the better reading of each limit),
 
 where the bytes are every weight once (the LM head included), the K and V of every
 context token, and the logits written; the FLOPs are the matrix products and the
-attention. A step at ratio 1.0 runs at the roofline; the breakdown says where the
+attention. That bound lets attention's K/V reading hide under the products' arithmetic;
+the **serial bound** beside it does not (the products' own bound plus attention's K/V at
+the bandwidth and its FLOPs at the peak: what a machine whose every core runs either a
+product or attention at a time can reach at best). A step at ratio 1.0 runs at the
+roofline; the breakdown says where the
 rest goes: matrix products (the layers' and the LM head's), attention, the other
 kernels (norms, rotary, SwiGLU, KV writes, gathers and adds), and the Python around
 the model (scheduler, model-input building, sampler, output processing).
@@ -115,6 +119,26 @@ def step_cost(engine: LLMEngine, query_lens: list[int], context_lens: list[int],
 
 def bound(cost: dict, machine: dict) -> float:
     return max(cost["bytes"] / machine["read_bandwidth"], cost["flops"] / machine["matmul_peak"])
+
+
+def serial_bound(cost: dict, machine: dict) -> float:
+    """The step's bound when attention cannot run in the shadow of the matrix products: the
+    products' own bound (their weights and logits read, or their FLOPs), plus attention's K/V
+    read at the bandwidth and its FLOPs at the peak. On a machine with few cores every core
+    runs either a product or attention at any moment, and a product of many rows keeps its
+    core's arithmetic busy, not the memory: there the two add up, and no schedule of the same
+    work beats this sum. ``bound`` assumes they overlap perfectly; the truth lies between."""
+    product_bytes = cost["bytes"] - cost["kv_bytes"]
+    products = max(product_bytes / machine["read_bandwidth"], cost["matmul_flops"] / machine["matmul_peak"])
+    return products + cost["kv_bytes"] / machine["read_bandwidth"] + cost["attention_flops"] / machine["matmul_peak"]
+
+
+def _set_bounds(row: dict, machine: dict) -> None:
+    """A timed row's bound, its serial bound and the step's ratio to each."""
+    row["bound_s"] = bound(row, machine)
+    row["ratio"] = row["step_s"] / row["bound_s"]
+    row["serial_bound_s"] = serial_bound(row, machine)
+    row["serial_ratio"] = row["step_s"] / row["serial_bound_s"]
 
 
 def workload_floor(engine: LLMEngine, prompt_lens: list[int], output_len: int, machine: dict) -> dict:
@@ -267,9 +291,8 @@ def _decode_row(engine: LLMEngine, machine: dict, contexts: list[int], total: fl
     ``contexts`` tokens at the first of them: mean context, step time, cost, bound and ratio."""
     mean_ctx = [c + (steps - 1) / 2 for c in contexts]
     cost = step_cost(engine, [1] * len(mean_ctx), mean_ctx, len(mean_ctx))
-    row = {"mean_context": float(np.mean(mean_ctx)), "step_s": total / steps, "bound_s": bound(cost, machine),
-           "breakdown_s": breakdown, **cost}
-    row["ratio"] = row["step_s"] / row["bound_s"]
+    row = {"mean_context": float(np.mean(mean_ctx)), "step_s": total / steps, "breakdown_s": breakdown, **cost}
+    _set_bounds(row, machine)
     return row
 
 
@@ -351,9 +374,8 @@ def measure_prefill(engine: LLMEngine, machine: dict, prefill_lens: list[int], r
                 if r and (best is None or total < best[0]):
                     best = (total, parts)
             cost = step_cost(engine, [length], [length], 1)
-            row = {"prompt_len": length, "step_s": best[0], "bound_s": bound(cost, machine),
-                   "breakdown_s": best[1], **cost}
-            row["ratio"] = row["step_s"] / row["bound_s"]
+            row = {"prompt_len": length, "step_s": best[0], "breakdown_s": best[1], **cost}
+            _set_bounds(row, machine)
             row["gflop_s"] = cost["flops"] / best[0] / 1e9
             row["fraction_of_peak"] = cost["flops"] / best[0] / machine["matmul_peak"]
             rows.append(row)
@@ -424,8 +446,7 @@ def run_roofline(engine_kwargs: dict, cfg: dict, progress=print) -> dict:
         machine[key] = max(probe[key] for probe in machine["probes"])
     for row in decode + prefill:
         for timed in filter(None, (row, row.get("layer_by_layer"))):   # a row, and its steps layer by layer
-            timed["bound_s"] = bound(timed, machine)
-            timed["ratio"] = timed["step_s"] / timed["bound_s"]
+            _set_bounds(timed, machine)
         if "fraction_of_peak" in row:
             row["fraction_of_peak"] = row["flops"] / row["step_s"] / machine["matmul_peak"]
     return {"machine": machine, "decode": decode, "prefill": prefill}
