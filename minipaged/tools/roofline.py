@@ -126,8 +126,9 @@ def serial_bound(cost: dict, machine: dict) -> float:
     products' own bound (their weights and logits read, or their FLOPs), plus attention's K/V
     read at the bandwidth and its FLOPs at the peak. On a machine with few cores every core
     runs either a product or attention at any moment, and a product of many rows keeps its
-    core's arithmetic busy, not the memory: there the two add up, and no schedule of the same
-    work beats this sum. ``bound`` assumes they overlap perfectly; the truth lies between."""
+    core's arithmetic busy, not the memory: there the two add up (a product's loop could ask
+    for attention's K/V as it runs; measured on two cores, that cost the products about what it
+    saved attention, docs/benchmarks.md). ``bound`` assumes they overlap perfectly."""
     product_bytes = cost["bytes"] - cost["kv_bytes"]
     products = max(product_bytes / machine["read_bandwidth"], cost["matmul_flops"] / machine["matmul_peak"])
     return products + cost["kv_bytes"] / machine["read_bandwidth"] + cost["attention_flops"] / machine["matmul_peak"]
