@@ -189,13 +189,13 @@ for row in decode + prefills:
     assert math.isclose(sum(parts.values()), row["step_s"], rel_tol=1e-9)   # every tick accounted for
     assert row["bound_s"] == max(row["bytes"] / bandwidth, row["flops"] / peak)
     assert math.isclose(row["ratio"], row["step_s"] / row["bound_s"])
-    # the serial bound: the products' own bound, then attention's K/V and FLOPs after it
+    # the serial bound: the products' own bound, then attention's (its K/V, or its FLOPs) after it
     products = max((row["bytes"] - row["kv_bytes"]) / bandwidth, row["matmul_flops"] / peak)
-    assert math.isclose(row["serial_bound_s"],
-                        products + row["kv_bytes"] / bandwidth + row["attention_flops"] / peak)
+    attention = max(row["kv_bytes"] / bandwidth, row["attention_flops"] / peak)
+    assert math.isclose(row["serial_bound_s"], products + attention)
     if "layer_by_layer" in row:             # the same steps again, one kernel at a time
         layers = row["layer_by_layer"]
-        print(f"  {'layers':>7} {'':4} {layers['step_s'] * 1e3:8.1f} {'':9} {layers['ratio']:6.2f}  "
+        print(f"  {'layers':>7} {'':4} {layers['step_s'] * 1e3:8.1f} {'':9} {layers['ratio']:6.2f} {'':>7}  "
               + " ".join(f"{layers['breakdown_s'][p] * 1e3:13.2f}" for p in PARTS))
         assert math.isclose(sum(layers["breakdown_s"].values()), layers["step_s"], rel_tol=1e-9)
         assert layers["breakdown_s"]["persistent"] == 0 and layers["breakdown_s"]["matmuls"] > 0
@@ -204,8 +204,9 @@ assert all(row["bound_s"] == row["bytes"] / bandwidth for row in decode)        
 assert prefills[0]["bound_s"] == prefills[0]["flops"] / peak                       # arithmetic's side
 print("  ratio = step / bound: 1.00 would be the roofline")
 print("  serial: the bound if attention's K/V reading cannot hide under the products' arithmetic (the "
-      "products' bound plus attention's): on a machine of few cores, where each core runs one or the "
-      "other, a compute-bound step of many sequences cannot beat it (docs/benchmarks.md)")
+      "products' bound plus attention's, one after the other): on a machine of few cores, where each core "
+      "runs one or the other, that is what a compute-bound step of many sequences can reach at best "
+      "(docs/benchmarks.md)")
 print("  the breakdown adds up to the step: matmuls (the layers' products), the LM head's product, "
       "attention, the other kernels (norms, rotary, SwiGLU, KV writes), the sampler, and the Python "
       "around the model (scheduler, inputs, outputs)")

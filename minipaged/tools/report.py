@@ -82,7 +82,7 @@ def print_roofline(report: dict) -> None:
               + " GFLOP/s / GB/s)")
     parts = ("matmuls", "lm_head", "attention", "other_kernels", "persistent", "sampler", "python")
     head = "  ".join(f"{p:>13}" for p in parts)
-    print(f"  {'decode':>8} {'ctx':>5} {'step ms':>8} {'bound ms':>8} {'ratio':>6} {'serial':>7} {'ratio':>6} "
+    print(f"  {'decode':>8} {'ctx':>5} {'step ms':>8} {'bound ms':>8} {'ratio':>6} {'serial':>7} {'s.rat':>6} "
           f"{'mm GF/s':>8}  {head}")
     for r in report["decode"]:
         cells = "  ".join(f"{r['breakdown_s'][p] * 1e3:13.2f}" for p in parts)
@@ -95,7 +95,7 @@ def print_roofline(report: dict) -> None:
             print(f"  {'layers':>8} {'':>5} {lbl['step_s'] * 1e3:8.1f} {'':>8} {lbl['ratio']:6.2f} {'':>7} "
                   f"{lbl['serial_ratio']:6.2f} {'':>8}  {cells}")
     if report["prefill"]:
-        print(f"  {'prefill':>8} {'':>5} {'step ms':>8} {'bound ms':>8} {'ratio':>6} {'serial':>7} {'ratio':>6} "
+        print(f"  {'prefill':>8} {'':>5} {'step ms':>8} {'bound ms':>8} {'ratio':>6} {'serial':>7} {'s.rat':>6} "
               f"{'GF/s':>8}  {head}")
     for r in report["prefill"]:
         cells = "  ".join(f"{r['breakdown_s'][p] * 1e3:13.2f}" for p in parts)
@@ -103,6 +103,7 @@ def print_roofline(report: dict) -> None:
               f"{r['ratio']:6.2f} {r['serial_bound_s'] * 1e3:7.1f} {r['serial_ratio']:6.2f} {r['gflop_s']:8.1f}  "
               f"{cells}   ({100 * r['fraction_of_peak']:.0f}% of peak)")
     print("  (breakdown in ms per step; ratio = step / bound, 1.00 is the roofline; serial: the bound\n"
-          "   when attention's K/V reading cannot hide under the products' arithmetic, and the ratio\n"
-          "   to it; persistent: a decode step's layers and LM head in one kernel, products, attention\n"
-          "   and the rest together; the 'layers' line under it: the same steps again layer by layer)")
+          "   when attention's K/V reading cannot hide under the products' arithmetic (the products'\n"
+          "   bound, then attention's), s.rat the step's ratio to it; persistent: a decode step's layers\n"
+          "   and LM head in one kernel, products, attention and the rest together; the 'layers' line\n"
+          "   under it: the same steps again layer by layer, kernel by kernel)")

@@ -11,13 +11,12 @@ again at the end, and the bounds use the better reading of each limit),
 where the bytes are every weight once (the LM head included), the K and V of every
 context token, and the logits written; the FLOPs are the matrix products and the
 attention. That bound lets attention's K/V reading hide under the products' arithmetic;
-the **serial bound** beside it does not (the products' own bound plus attention's K/V at
-the bandwidth and its FLOPs at the peak: what a machine whose every core runs either a
-product or attention at a time can reach at best). A step at ratio 1.0 runs at the
-roofline; the breakdown says where the
-rest goes: matrix products (the layers' and the LM head's), attention, the other
-kernels (norms, rotary, SwiGLU, KV writes, gathers and adds), and the Python around
-the model (scheduler, model-input building, sampler, output processing).
+the **serial bound** beside it does not: the products' own bound, then attention's (one
+after the other, as on a machine whose every core runs either a product or attention at a
+time). A step at ratio 1.0 runs at the roofline; the breakdown says where the rest goes:
+matrix products (the layers' and the LM head's), attention, the other kernels (norms,
+rotary, SwiGLU, KV writes, gathers and adds), and the Python around the model (scheduler,
+model-input building, sampler, output processing).
 
 Decode is measured at batch sizes B with a context of about ``context_len`` tokens:
 the largest batch is prefilled once, then measured, and requests are aborted down to
@@ -123,15 +122,17 @@ def bound(cost: dict, machine: dict) -> float:
 
 def serial_bound(cost: dict, machine: dict) -> float:
     """The step's bound when attention cannot run in the shadow of the matrix products: the
-    products' own bound (their weights and logits read, or their FLOPs), plus attention's K/V
-    read at the bandwidth and its FLOPs at the peak. On a machine with few cores every core
-    runs either a product or attention at any moment, and a product of many rows keeps its
-    core's arithmetic busy, not the memory: there the two add up (a product's loop could ask
-    for attention's K/V as it runs; measured on two cores, that cost the products about what it
-    saved attention, docs/benchmarks.md). ``bound`` assumes they overlap perfectly."""
-    product_bytes = cost["bytes"] - cost["kv_bytes"]
-    products = max(product_bytes / machine["read_bandwidth"], cost["matmul_flops"] / machine["matmul_peak"])
-    return products + cost["kv_bytes"] / machine["read_bandwidth"] + cost["attention_flops"] / machine["matmul_peak"]
+    products' own bound (their weights and logits read, or their FLOPs), plus attention's
+    (its K/V, read and written, at the bandwidth, or its FLOPs at the peak). On a machine
+    with few cores every core runs either a product or attention at any moment, and a
+    product of many rows keeps its core's arithmetic busy, not the memory: there the two add
+    up (a product's loop could ask for attention's K/V as it runs; measured on two cores, no
+    clear gain, docs/benchmarks.md). ``bound`` assumes they overlap perfectly."""
+    bandwidth, peak = machine["read_bandwidth"], machine["matmul_peak"]
+    product_bytes = cost["bytes"] - cost["kv_bytes"]                    # weights and logits
+    products = max(product_bytes / bandwidth, cost["matmul_flops"] / peak)
+    attention = max(cost["kv_bytes"] / bandwidth, cost["attention_flops"] / peak)
+    return products + attention
 
 
 def _set_bounds(row: dict, machine: dict) -> None:
