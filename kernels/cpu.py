@@ -1240,7 +1240,11 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
-@partial(two_ways, min_work="LIGHT_PARALLEL_MIN_ELEMENTS")
+# IEEE arithmetic (no fastmath): with it LLVM may fuse a * cos - b * sin into a multiply-add
+# or not, and did so differently in the threaded copy loaded from Numba's disk cache than in the
+# one compiled afresh (numba#10617), so the layer path's floats differed from the persistent
+# kernel's on a second run. The loop is a rotation: exact arithmetic costs it nothing measurable.
+@partial(two_ways, min_work="LIGHT_PARALLEL_MIN_ELEMENTS", fastmath=False)
 def _rotary_inplace(x, positions, cos, sin):
     half = x.shape[2] // 2
     for t in prange(x.shape[0]):

@@ -14,9 +14,11 @@ MKL is loaded with ctypes and told to run on GNU OpenMP (``MKL_Set_Threading_Lay
 runtime Numba's threaded kernels already use (libgomp), so its products share their thread
 pool and its spin setting (``minipaged/boot.py``): no third pool busy-waits on the cores.
 
-Without MKL (not installed, not x86-64, another maker's CPU under ``cpu_gemm="auto"``, or
-``cpu_gemm="numba"``), ``load_packed_gemm`` returns None and ``kernels/cpu.py`` ``linear``
-keeps its own kernels. The NumPy product ``x @ w.T`` is the spec both are tested against.
+Without MKL (not installed, not x86-64, or ``cpu_gemm="numba"``), ``load_packed_gemm`` returns
+None and ``kernels/cpu.py`` ``linear`` keeps its own kernels. With it, which kinds of step it
+multiplies is ``kernels/linear_paths.py``'s choice: timed on the machine under
+``cpu_gemm="auto"`` (``minipaged/engine/linear_calibration.py``), every step with "mkl". The
+NumPy product ``x @ w.T`` is the spec both are tested against.
 """
 
 from __future__ import annotations
@@ -45,8 +47,6 @@ _PACK_ROWS_HINT = 64
 # one: 968x its size), and a small product gains nothing from it: weights with fewer
 # elements than this are not packed (SmolLM2's smallest, 576 x 576, has 331,776).
 MIN_PACKED_ELEMENTS = 1 << 18
-# The CPU maker "auto" hands the linear layers to oneMKL on (/proc/cpuinfo's vendor_id).
-INTEL_VENDOR = "GenuineIntel"
 
 
 def find_mkl_library() -> str | None:
@@ -176,21 +176,12 @@ def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str | None:
     return cpuinfo_field("vendor_id", cpuinfo)
 
 
-def load_packed_gemm(choice: str, num_threads: int, vendor: str | None = None) -> PackedGemm | None:
-    """``cpu_gemm``: "auto" (MKL when its wheel is installed, on Linux x86-64, on an Intel CPU),
-    "mkl" (required, on any x86-64 CPU), "numba" (never). ``vendor``: the CPU's ``vendor_id``
-    (read from /proc/cpuinfo when None).
-
-    "auto" leaves MKL out on other makers' CPUs: on a 2-core AMD EPYC (AVX-512) its products
-    ran at half the speed of the Numba kernels and OpenBLAS at every decode size from 1 to 64
-    rows, and its prefills were slower too (docs/benchmarks.md), the driver's own engine
-    tuned for the maker's own chips.
-    """
+def load_packed_gemm(choice: str, num_threads: int) -> PackedGemm | None:
+    """oneMKL for ``cpu_gemm``: "auto" (when its wheel is installed, on Linux x86-64, whatever
+    the CPU's maker: which steps it then takes is measured), "mkl" (required), "numba" (never)."""
     if choice not in CPU_GEMMS:
         raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {choice!r}")
     if choice == "numba":
-        return None
-    if choice == "auto" and (vendor or cpu_vendor()) != INTEL_VENDOR:
         return None
     linux_x86 = sys.platform.startswith("linux") and platform.machine() == "x86_64"
     path = find_mkl_library() if linux_x86 else None

@@ -125,7 +125,7 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     max_logprobs: int = 20   # most logprobs a request may ask for (vLLM's default); -1: no cap
-    cpu_gemm: str = "auto"   # the CPU's linear layers: auto (oneMKL's packed GEMM if installed, on Intel), mkl, numba
+    cpu_gemm: str = "auto"   # the CPU's linear layers: auto (each kind of step the engine timed faster here), mkl, numba
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model must be a name or a path")

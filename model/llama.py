@@ -17,11 +17,13 @@ process driven in lock step, and workers that all-reduce over NCCL.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..kernels.layout import AttentionMetadata
+from ..kernels.linear_paths import LinearPaths, step_kind
 from .config import LlamaConfig
 from .errors import ModelFormatError
 from .rope import rope_tables
@@ -56,6 +58,16 @@ class PackedLayer:
     down: object = None
 
 
+@dataclass(frozen=True)
+class LinearCopies:
+    """Every linear weight's second copy for one engine of ``kernels/linear_paths.py``: the
+    panels ("numba") or oneMKL's packed layout ("mkl"), a PackedLayer a layer and the LM head's;
+    and what multiplies a prompt's attention on that engine (oneMKL's sgemm, or None: ours)."""
+    layers: tuple[PackedLayer, ...]
+    lm_head: object = None
+    gemm: object = None
+
+
 def _get(tensors: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
     if name not in tensors:
         raise ModelFormatError(f"the checkpoint has no tensor {name!r}")
@@ -78,12 +90,15 @@ def run_to_end(run):
 class LlamaModel:
     def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray], ops,
                  dtype=np.float32, max_positions: int | None = None, shard: ShardSpec | None = None,
-                 gemm=None) -> None:
+                 gemm=None, linear_paths: LinearPaths | None = None) -> None:
         """``config`` and ``tensors`` are the worker's own (``sharding.shard_config`` /
-        ``shard_tensors``) when ``shard`` says it holds a slice of a bigger model. ``gemm``: a
-        ``kernels.packed_gemm.PackedGemm`` (CPU, oneMKL installed): every linear weight and the
-        LM head get a packed copy, packed once here, which ``ops.linear`` multiplies by; without
-        it they get ``ops.pack_linears``' copy (the CPU's panels, or None on the GPU)."""
+        ``shard_tensors``) when ``shard`` says it holds a slice of a bigger model.
+        ``linear_paths`` (``kernels/linear_paths.py``): which engine multiplies each kind of
+        step; default: our own kernels for every step. ``gemm``: a
+        ``kernels.packed_gemm.PackedGemm`` (CPU, oneMKL installed), needed where a path is
+        "mkl": every linear weight and the LM head get its packed copy, packed once here. Where
+        a path is "numba" they get ``ops.pack_linears``' copy (the CPU's panels, or None on the
+        GPU). A plan that mixes the two holds both copies."""
         self.config = config
         self.shard = shard or ShardSpec()
         self.ops = ops
@@ -123,23 +138,33 @@ class LlamaModel:
             ))
         # A second copy of each linear weight, laid out for its products, sits beside the
         # (out, in) arrays, which stay what prefill's BLAS, the tutorials, the sharding and
-        # the GPU read: oneMKL's packed layout with ``gemm`` (~1.5x the weights' size more
-        # resident memory, docs/kernels.md), else the CPU's panels for decode steps
-        # (``ops.pack_linears``, kernels/panel_gemm.py: the weights' size again; the GPU makes none).
-        self.gemm = gemm                     # also multiplies a prompt's attention (kernels/cpu.py)
-        # The CPU's panels of every weight lie back to back in one region of huge pages
-        # (``ops.pack_linears``, kernels/huge_pages.py), which a decode step streams through.
+        # the GPU read: for the "mkl" path oneMKL's packed layout (~1.5x the weights' size more
+        # resident memory, docs/kernels.md); for the "numba" path the CPU's panels for decode
+        # steps (``ops.pack_linears``, kernels/panel_gemm.py: the weights' size again; the GPU
+        # makes none), every weight's back to back in one region of huge pages
+        # (kernels/huge_pages.py), which a decode step streams through.
+        if gemm is not None and linear_paths is None:
+            raise ValueError("a gemm was given without linear_paths: say which kinds of step take it "
+                             "(kernels/linear_paths.py)")
+        self.linear_paths = linear_paths or LinearPaths.every("numba")
+        if "mkl" in self.linear_paths.used() and gemm is None:
+            raise ValueError(f"linear_paths ({self.linear_paths.describe()}) take oneMKL, but no gemm was given")
+        self.gemm = gemm                     # also multiplies a prompt's attention on the "mkl" path
         weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         weights += [self.lm_head] if self.lm_head is not None else []
-        packed = ([gemm.pack_if_worth_it(w) for w in weights] if gemm is not None
-                  else ops.pack_linears(weights))
-        self.packed = [PackedLayer(*packed[4 * i:4 * i + 4]) for i in range(len(self.layers))]
-        self.lm_head_packed = packed[-1] if self.lm_head is not None else None
-        # A decode step runs every layer in one persistent kernel where the ops have one (the
-        # CPU's, on the panels: kernels/persistent_decode.py); views, no weight copied.
+        self.copies: dict[str, LinearCopies] = {}
+        self.steps_by_path: Counter[tuple[str, str]] = Counter()   # (kind, engine): the steps each took
+        for path in self.linear_paths.used():
+            packed = ops.pack_linears(weights) if path == "numba" else [gemm.pack_if_worth_it(w) for w in weights]
+            layers = tuple(PackedLayer(*packed[4 * i:4 * i + 4]) for i in range(len(self.layers)))
+            head = packed[-1] if self.lm_head is not None else None
+            self.copies[path] = LinearCopies(layers, head, gemm if path == "mkl" else None)
+        # A decode step on the "numba" path runs every layer in one persistent kernel where the
+        # ops have one (the CPU's, on the panels: kernels/persistent_decode.py); views, no weight copied.
         make_stack = getattr(ops, "persistent_layers", None)
-        self.persistent = (make_stack(self.layers, self.packed, self.final_norm, self.lm_head_packed)
-                           if make_stack and gemm is None else None)
+        panels = self.copies.get("numba")
+        self.persistent = (make_stack(self.layers, panels.layers, self.final_norm, panels.lm_head)
+                           if make_stack and panels is not None else None)
         cos, sin = rope_tables(c, max_positions or c.max_position_embeddings)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)  # (max_positions, head_dim // 2)
         self.scale = 1.0 / float(np.sqrt(c.head_dim))
@@ -147,10 +172,12 @@ class LlamaModel:
     @property
     def nbytes(self) -> int:
         """Bytes of every array the model holds on its device: weights and rotary tables."""
-        arrays = [self.embed, self.lm_head, self.final_norm, self.cos, self.sin, self.lm_head_packed]
-        for layer, packed in zip(self.layers, self.packed):
-            arrays += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down,
-                       packed.qkv, packed.o, packed.gate_up, packed.down]
+        arrays = [self.embed, self.lm_head, self.final_norm, self.cos, self.sin]
+        for layer in self.layers:
+            arrays += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+        for copies in self.copies.values():
+            arrays += [copies.lm_head] + [p for packed in copies.layers for p in (packed.qkv, packed.o,
+                                                                                  packed.gate_up, packed.down)]
         return sum(int(a.nbytes) for a in {id(a): a for a in arrays if a is not None}.values())   # a tied head once
 
     def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata, logits_indices,
@@ -179,9 +206,14 @@ class LlamaModel:
         ops, c = self.ops, self.config
         split = self.shard.tp_size > 1
         hidden = self.embed[inputs] if self.shard.is_first_stage else inputs   # (T, hidden)
-        plan = ops.plan_attention(meta, self.gemm)   # how attention splits this batch, for every layer
+        kind = step_kind(positions.shape[0])
+        path = self.linear_paths.for_kind(kind)      # this kind of step's engine, and its copies
+        self.steps_by_path[kind, path] += 1
+        copies = self.copies[path]
+        plan = ops.plan_attention(meta, copies.gemm)   # how attention splits this batch, for every layer
         fused = logits = None
-        if self.persistent is not None and not split and layer_quant is None and layer_bounds is None:
+        if (copies is self.copies.get("numba") and self.persistent is not None and not split
+                and layer_quant is None and layer_bounds is None):
             # a decode step (a long prompt, or more tokens than the panels take, and ops declines);
             # the LM head in the kernel too when the logits wanted are every row's, in order (prompt
             # chunks want only their last rows', several samples of one prompt its last row more
@@ -194,7 +226,8 @@ class LlamaModel:
         if fused is not None:                # every layer in one kernel: the same floats
             hidden, logits = fused
         else:
-            hidden = yield from self._layers(hidden, positions, kv_cache, meta, plan, layer_quant, layer_bounds)
+            hidden = yield from self._layers(hidden, positions, kv_cache, meta, plan, copies.layers, layer_quant,
+                                             layer_bounds)
         if not self.shard.is_last_stage:     # the next stage goes on from here
             return hidden
         if not self.shard.has_lm_head:       # the same hidden states as rank 0: nothing to add
@@ -204,16 +237,17 @@ class LlamaModel:
         if logits_indices.shape[0] == 0:      # a step of prompt chunks only: nothing to sample
             return ops.xp.empty((0, c.vocab_size), dtype=self.lm_head.dtype)
         last = ops.rms_norm(hidden[logits_indices], self.final_norm, c.rms_norm_eps)  # (N, hidden)
-        return ops.linear(last, self.lm_head, self.lm_head_packed)            # (N, vocab)
+        return ops.linear(last, self.lm_head, copies.lm_head)                 # (N, vocab)
 
-    def _layers(self, hidden, positions, kv_cache, meta: AttentionMetadata, plan, layer_quant, layer_bounds):
+    def _layers(self, hidden, positions, kv_cache, meta: AttentionMetadata, plan, packed_layers, layer_quant,
+                layer_bounds):
         """Every layer, one kernel call after another (a generator, as ``run``): hidden (T, hidden)
-        in, the last layer's output returned."""
+        in, the last layer's output returned. ``packed_layers``: the step's path's copies."""
         ops, c = self.ops, self.config
         num_tokens = positions.shape[0]
         q_size, kv_size = c.q_size, c.kv_size
         split = self.shard.tp_size > 1
-        for i, (layer, packed) in enumerate(zip(self.layers, self.packed)):
+        for i, (layer, packed) in enumerate(zip(self.layers, packed_layers)):
             x = ops.rms_norm(hidden, layer.input_norm, c.rms_norm_eps)          # (T, hidden)
             qkv = ops.linear(x, layer.qkv, packed.qkv)                          # (T, q + 2kv)
             q = qkv[:, :q_size].reshape(num_tokens, c.num_attention_heads, c.head_dim)

@@ -7,6 +7,7 @@ from minipaged import SamplingParams
 from minipaged.config import ConfigError
 from minipaged.kernels import cpu
 from minipaged.kernels import packed_gemm
+from minipaged.kernels.linear_paths import LinearPaths
 from minipaged.kernels.panel_gemm import PanelWeight
 from attention_batches import random_batch
 from tiny_model import make_llm
@@ -63,17 +64,18 @@ def test_small_weights_are_not_packed():
 
 
 def test_the_choice_of_gemm(monkeypatch):
+    """"auto" loads oneMKL wherever it is installed, whatever the CPU's maker (which kinds of
+    step it then takes is measured: tests/test_linear_paths.py); "mkl" requires it; "numba" never."""
     assert packed_gemm.load_packed_gemm("numba", 2) is None
     with pytest.raises(ValueError, match="cpu_gemm must be one of"):
         packed_gemm.load_packed_gemm("blis", 2)
-    if GEMM is not None:   # installed: "auto" takes it on Intel's CPUs only, "mkl" on any
-        assert isinstance(packed_gemm.load_packed_gemm("auto", 2, vendor="GenuineIntel"), packed_gemm.PackedGemm)
-        assert packed_gemm.load_packed_gemm("auto", 2, vendor="AuthenticAMD") is None
-        monkeypatch.setattr(packed_gemm, "cpu_vendor", lambda: "AuthenticAMD")
-        assert packed_gemm.load_packed_gemm("auto", 2) is None
-        assert isinstance(packed_gemm.load_packed_gemm("mkl", 2), packed_gemm.PackedGemm)
+    if GEMM is not None:
+        for vendor in ("GenuineIntel", "AuthenticAMD"):
+            monkeypatch.setattr(packed_gemm, "cpu_vendor", lambda: vendor)
+            assert isinstance(packed_gemm.load_packed_gemm("auto", 2), packed_gemm.PackedGemm)
+            assert isinstance(packed_gemm.load_packed_gemm("mkl", 2), packed_gemm.PackedGemm)
     monkeypatch.setattr(packed_gemm, "find_mkl_library", lambda: None)
-    assert packed_gemm.load_packed_gemm("auto", 2, vendor="GenuineIntel") is None   # not installed: our kernels
+    assert packed_gemm.load_packed_gemm("auto", 2) is None   # not installed: our kernels
     with pytest.raises(ValueError, match=r"pip install 'minipaged\[mkl\]'"):
         packed_gemm.load_packed_gemm("mkl", 2)
 
@@ -110,9 +112,10 @@ def test_greedy_tokens_are_the_same_through_mkl_and_numba(tiny_model_dir, monkey
         llm = make_llm(tiny_model_dir, cpu_gemm=choice, num_blocks=64, max_model_len=128)
         engine = llm.llm_engine
         assert (engine.backend.gemm is None) == (choice == "numba")
+        assert engine.model.linear_paths == LinearPaths.every(choice) and list(engine.model.copies) == [choice]
         copy = PanelWeight if choice == "numba" else packed_gemm.PackedWeight   # the second copy's kind
-        assert isinstance(engine.model.packed[0].qkv, copy)
-        assert isinstance(engine.model.lm_head_packed, copy)
+        assert isinstance(engine.model.copies[choice].layers[0].qkv, copy)
+        assert isinstance(engine.model.copies[choice].lm_head, copy)
         assert (engine.model.gemm is None) == (choice == "numba")
         outputs[choice] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["mkl"] == outputs["numba"]

@@ -180,7 +180,7 @@ def test_a_stage_without_the_head_returns_its_hidden_states():
     runs the layers and returns their output, the same floats as the layer-by-layer path."""
     cfg, model = _model(seed=4, **SHAPES[1])
     kv, ids, positions, meta = _prefill(cfg, model, 33, 16, np.random.default_rng(1))
-    headless = persistent_decode.stack(model.layers, model.packed)
+    headless = persistent_decode.stack(model.layers, model.copies["numba"].layers)
     assert headless is not None and not headless.has_head and model.persistent.has_head
     plan = cpu.plan_attention(meta)
     kv_ref = kv.copy()
@@ -196,7 +196,8 @@ def test_a_stage_without_the_head_returns_its_hidden_states():
 def llama_run_layers(model, ids, positions, kv, meta, plan):
     """The layer-by-layer path's last layer output (model._layers, run to its end)."""
     from minipaged.model.llama import run_to_end
-    return run_to_end(model._layers(model.embed[ids], positions, kv, meta, plan, None, None))
+    return run_to_end(model._layers(model.embed[ids], positions, kv, meta, plan, model.copies["numba"].layers,
+                                    None, None))
 
 
 def _batch(cfg, model, block_size, rng, chunks):
@@ -278,20 +279,21 @@ def test_other_steps_go_layer_by_layer():
     assert declines([1] * (cpu.PANEL_MAX_ROWS + 1))
     assert declines([cpu.BLAS_MIN_QUERIES])                  # a prompt: the prompt kernel's
     assert declines([1], pool=lambda kv: kv.astype(np.int8))
-    assert persistent_decode.stack(model.layers, [type(p)() for p in model.packed]) is None
+    assert persistent_decode.stack(model.layers, [type(p)() for p in model.copies["numba"].layers]) is None
 
 
 @pytest.mark.parametrize("n", [1, 2, 6])
 def test_generation_is_unchanged_by_the_persistent_kernel(tiny_model_dir, monkeypatch, n):
     """Greedy tokens and their log-probabilities through the engine, kernel on and off: one
-    sequence, two and six decoding together."""
+    sequence, two and six decoding together. The kernel is our own engine's (cpu_gemm="numba",
+    asked for by name: what "auto" takes on this host is its own measurement)."""
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
     prompts = ["The page table", "A frame", "Swap", "A block of sixteen", "Copy on write", "LRU"][:n]
     runs = _count_runs(monkeypatch)
     outputs = {}
     for on in (False, True):
         monkeypatch.setattr(cpu, "PERSISTENT_DECODE", on)
-        llm = make_llm(tiny_model_dir)
+        llm = make_llm(tiny_model_dir, cpu_gemm="numba")
         outputs[on] = [(c.token_ids, [sorted(lp.items()) for lp in c.logprobs])
                        for out in llm.generate(prompts, params) for c in out.outputs]
     assert outputs[True] == outputs[False]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,7 @@ import pytest
 from minipaged.entrypoints.args import engine_kwargs
 from minipaged.entrypoints.cli import build_parser
 from minipaged.kernels import cpu, packed_gemm, reference
+from minipaged.kernels.linear_paths import LinearPaths
 from minipaged.engine import thread_pools
 from minipaged.tools import bench, roofline
 
@@ -88,11 +90,12 @@ def run_roofline_bench(model_dir, out, monkeypatch, *extra: str) -> dict:
 
 
 def test_roofline_rows_against_the_models_own_arrays(tiny_model_dir, tmp_path, monkeypatch):
+    # our kernels by name: a decode step is then the persistent kernel, whatever "auto" measures here
     report = run_roofline_bench(tiny_model_dir, tmp_path / "r.json", monkeypatch, "--batch-sizes", "1,5,3",
-                                "--context-len", "20", "--steps", "2", "--prefill-lens", "24,40",
-                                "--prefill-repeats", "1")
+                                "--context-len", "20", "--steps", "2", "--prefill-lens", "24,40,200",
+                                "--prefill-repeats", "1", "--cpu-gemm", "numba")
     from minipaged.engine.llm_engine import LLMEngine   # the same model, to count its arrays
-    engine = LLMEngine(str(tiny_model_dir), device="cpu", swap_space=0, num_blocks=64)
+    engine = LLMEngine(str(tiny_model_dir), device="cpu", swap_space=0, num_blocks=64, cpu_gemm="numba")
     model = engine.runner.model
     layer_weights = sum(int(w.size) for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
     head = int(model.lm_head.size)
@@ -143,7 +146,9 @@ def test_roofline_rows_against_the_models_own_arrays(tiny_model_dir, tmp_path, m
         attention = max(layers["kv_bytes"] / 1e10, layers["mean_context"] * b * per_pair / 2e10)
         assert layers["serial_bound_s"] == pytest.approx(products + attention)
         assert layers["serial_ratio"] == pytest.approx(layers["step_s"] / layers["serial_bound_s"])
-    assert [r["prompt_len"] for r in report["prefill"]] == [24, 40]
+    assert [r["prompt_len"] for r in report["prefill"]] == [24, 40, 200]
+    assert report["linear_paths"] == LinearPaths.every("numba").as_dict()
+    assert {r["linear_path"] for r in report["decode"] + report["prefill"]} == {"numba"}
     for row in report["prefill"]:
         t = row["prompt_len"]
         assert row["matmul_flops"] == 2 * t * layer_weights + 2 * head     # one row gets logits
@@ -157,7 +162,7 @@ def test_roofline_rows_against_the_models_own_arrays(tiny_model_dir, tmp_path, m
     versions = report["versions"]
     assert versions["numpy"] == np.__version__
     assert versions["cpu_vendor"] == packed_gemm.cpu_vendor()        # what /proc/cpuinfo says, or None
-    assert versions["cpu_linear_layers"] == ("mkl" if engine.backend.gemm is not None else "numba")
+    assert versions["cpu_gemm"] == "numba"
 
 
 def test_a_workloads_floor_counts_every_token_it_must_make(tiny_model_dir):
@@ -222,6 +227,18 @@ def test_bench_sets_the_run_and_the_peer_against_the_floor(tiny_model_dir, tmp_p
     assert result["of_floor"] == pytest.approx(want["floor_s"] / result["elapsed_s"])
     assert result["max_speedup_vs_hf"] == pytest.approx(15 / want["floor_s"] / 2.0)
     assert result["speedup_vs_hf"] == pytest.approx(result["generation_tok_s"] / 2.0)
+    # the engine each kind of step took: ours, on a model of which oneMKL would pack nothing
+    assert re.fullmatch(r"((single-stream decode|batched decode|prefill) numba x \d+(, |$))+", result["linear_paths"])
+
+
+@pytest.mark.skipif(packed_gemm.find_mkl_library() is None, reason="oneMKL is not installed")
+def test_roofline_rows_name_the_engine_their_steps_took(tiny_model_dir, tmp_path, monkeypatch):
+    report = run_roofline_bench(tiny_model_dir, tmp_path / "r.json", monkeypatch, "--batch-sizes", "1,2",
+                                "--context-len", "20", "--steps", "1", "--prefill-lens", "200",
+                                "--prefill-repeats", "1", "--cpu-gemm", "mkl")
+    assert report["linear_paths"] == LinearPaths.every("mkl").as_dict()
+    assert {r["linear_path"] for r in report["decode"] + report["prefill"]} == {"mkl"}
+    assert all(r["breakdown_s"]["persistent"] == 0 and "layer_by_layer" not in r for r in report["decode"])
 
 
 def test_roofline_refuses_what_it_cannot_measure_before_measuring(monkeypatch):

@@ -7,12 +7,18 @@ have a test here and must end with exercises for the reader.
 """
 
 import os
+import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from minipaged.kernels.packed_gemm import find_mkl_library
+
+# oneMKL can run here (the tutorials then show it beside our kernels): its wheel, on Linux x86-64
+MKL_HERE = find_mkl_library() is not None and sys.platform.startswith("linux") and platform.machine() == "x86_64"
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = sorted(p.name for p in (ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
@@ -201,8 +207,11 @@ def test_t14_the_roofline():
                      r" +256 +[\d.]+x +[\d.]+x +[\d.]+x +BLAS gemm\n", out)
     assert re.search(r"the panels beat the skinny kernel at \d+ of 8 row counts", out)
     assert re.search(r"so linear runs the panels for 1\.\.\d+ rows, and BLAS's gemm for more", out)
-    assert ("oneMKL is not used here" in out
-            or re.search(r"\n +64 +[\d.]+x +[\d.]+x\n +the engine packed every weight of 30 layers", out))
+    if not MKL_HERE:
+        assert "oneMKL is not installed here" in out
+    else:                                           # oneMKL's packed product beside the panels, by name
+        assert re.search(r"\n +64 +[\d.]+x +[\d.]+x\n +with cpu_gemm='mkl' the engine packs every weight of 30 "
+                         r"layers", out)
     assert "minipaged sets OPENBLAS_THREAD_TIMEOUT=16 (OpenBLAS's threads spin 2**16 cycles" in out
     assert re.search(r"for Numba's OpenMP pool, GOMP_SPINCOUNT=\d+ .* KMP_BLOCKTIME=\d+", out)
     assert "python -m minipaged bench roofline" in out
@@ -251,3 +260,17 @@ def test_t19_one_kernel_per_step():
     assert "the same logits, bit for bit: True; the same K/V written: True" in out
     assert re.search(r"iterations on \d+ threads: .* The same logits: True", out)
     assert re.search(r"layer by layer: [\d.]+ ms a token; one kernel: [\d.]+ ms \([\d.]+x\); the same tokens: True", out)
+
+
+def test_t20_choosing_an_engine_by_timing():
+    out = run_tutorial("20_choosing_an_engine_by_timing.py")
+    assert "    1 rows: single-stream decode" in out and "  129 rows: prefill" in out
+    if MKL_HERE:     # oneMKL installed: timed, kept, read back
+        assert re.search(r"single-stream decode +1x1, 1x1, 1x1, 1x1 +[\d.]+ +[\d.]+   (numba|mkl)", out)
+        assert re.search(r"prefill +prefill +[\d.]+ +[\d.]+   (numba|mkl)", out)
+        assert "kept in " in out and "a new CPU, library or kernel is timed afresh" in out
+        assert "cpu_gemm='mkl'    " in out
+    else:
+        assert "oneMKL is not installed here" in out
+    assert re.search(r"cpu_gemm='numba'  (single-stream decode|batched decode|prefill) numba x \d+", out)
+    assert "the same greedy tokens from every engine:" in out

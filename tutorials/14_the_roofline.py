@@ -25,9 +25,10 @@ up to 128; ``kernels/panel_gemm.py``, on ``kernels/simd.py``'s registers) reads 
 each weight laid out once, at load, for the product, which is what the engine multiplies
 by (every weight's panels in one region of 2 MB pages, ``kernels/huge_pages.py``, so that the
 TLB covers them); that packing once, instead of at every call, is also what a
-vendor's library offers (oneMKL's packed GEMM, ``kernels/packed_gemm.py``, used from 8 rows
-on Intel's CPUs when installed); and two thread pools on the same cores must spin only
-briefly while they wait, then sleep.
+vendor's library offers (oneMKL's packed GEMM, ``kernels/packed_gemm.py``; with it installed,
+``cpu_gemm="auto"`` times both engines on the machine and gives each kind of step the faster,
+tutorial 20); and two thread pools on the same cores must spin only briefly while they wait,
+then sleep. The steps here run our own kernels, asked for by name (``cpu_gemm="numba"``).
 
 The OS analogy: the machine's data sheet beside a profiler. ``perf`` and ``top`` tell
 you where each tick went; the data sheet tells you what the hardware could have done
@@ -83,6 +84,7 @@ import numpy as np
 import numba
 from minipaged.engine import thread_pools
 from minipaged.kernels import cpu, huge_pages
+from minipaged.kernels.packed_gemm import load_packed_gemm
 from minipaged.kernels.panel_gemm import PANEL, TILE_ROWS, PanelWeight
 from minipaged.kernels.simd import LANES, REGISTERS
 from minipaged.tools import roofline
@@ -131,7 +133,7 @@ assert peak > 0 and bandwidth > 0 and probe >= 4 * llc
 
 print(f"\n2. One step's bytes and FLOPs, counted from the model's shapes ({MODEL})")
 engine = LLMEngine(MODEL, device="cpu", num_blocks=128, max_model_len=512, max_num_seqs=8,
-                   max_num_batched_tokens=2048, swap_space=0)
+                   max_num_batched_tokens=2048, swap_space=0, cpu_gemm="numba")   # our kernels, by name
 c = engine.model_config
 steps = {"decode B=1": roofline.step_cost(engine, [1], [CONTEXT], 1),
          "decode B=8": roofline.step_cost(engine, [1] * 8, [CONTEXT] * 8, 8),
@@ -233,7 +235,7 @@ for row in decode[1:]:
     mm = weights_time(row) / weights_time(b1)
     print(f"  B={row['batch']}: {row['bound_s'] / b1['bound_s']:.2f}x the bound of B=1, its matrix products "
           f"{mm:.2f}x the time of B=1's layers and LM head (linear: "
-          f"{linear_path(row['batch'], model.packed[0].gate_up)}, step 4)")
+          f"{linear_path(row['batch'], model.copies['numba'].layers[0].gate_up)}, step 4)")
 print(f"  the prefill reaches {100 * prefills[0]['fraction_of_peak']:.0f}% of the matmul peak: "
       f"{prefills[0]['gflop_s']:.0f} GFLOP/s")
 
@@ -269,7 +271,7 @@ print("  one row through x @ w.T is a matrix-vector product (gemv): it streams t
 print("  the skinny kernel (_skinny_linear, linear without a second copy) reads each weight row once for all "
       "the rows: 4 x 4 dot products at a time, each summed in a register whose 16 lanes must then be added up")
 print(f"  this CPU's registers hold {LANES} float32s and there are {REGISTERS} of them (kernels/simd.py), so the "
-      f"panels (linear with model.packed's copy) hold {PANEL} output features' weights for each k side by side: "
+      f"panels (linear with model.copies['numba']'s copy) hold {PANEL} output features' weights for each k side by side: "
       f"for a tile of {TILE_ROWS} rows the kernel keeps {2 * TILE_ROWS} registers of whole output rows, "
       f"two loads and {2 * TILE_ROWS} fused multiply-adds per k, and never adds lanes up")
 small = [m for m in ROWS if m <= cpu.SKINNY_MAX_ROWS]
@@ -298,9 +300,9 @@ print("  docs/benchmarks.md records whole steps' products (2-core AMD EPYC, AVX-
 # The model packed every weight's panels back to back into one region of huge pages
 # (cpu.pack_linears, kernels/huge_pages.py): the TLB, the page table's cache, covers 2 MB an
 # entry there instead of 4 KB.
-# (With oneMKL's packing, on Intel's CPUs, the copies are oneMKL's own and this part is skipped.)
-copies = [p for layer in model.packed for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-copies += [model.lm_head_packed]
+panel_copies = model.copies["numba"]         # our engine's copies: a PackedLayer a layer, and the head's
+copies = [p for layer in panel_copies.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+copies += [panel_copies.lm_head]
 region = [p.data for p in copies if isinstance(p, PanelWeight)]
 if region:
     first, last = region[0].ctypes.data, region[-1].ctypes.data + region[-1].nbytes
@@ -316,10 +318,10 @@ if region:
               "with 2 MB pages now (/proc/self/smaps); one-sequence steps ran 2-5% faster so (docs/benchmarks.md)")
 
 print("\n5. Packing once: the CPU maker's own GEMM (oneMKL)")
-gemm = engine.backend.gemm                  # kernels/packed_gemm.py: None without the mkl wheel or with --cpu-gemm numba
+gemm = load_packed_gemm("auto", numba.get_num_threads())   # kernels/packed_gemm.py: None without the mkl wheel
 if gemm is None:
-    print("  oneMKL is not used here (not installed, pip install 'minipaged[mkl]', or not an Intel CPU): "
-          "linear multiplies by the panels and BLAS")
+    print("  oneMKL is not installed here (pip install 'minipaged[mkl]', Linux x86-64): linear multiplies by "
+          "the panels and BLAS")
 else:
     packed = gemm.pack(w)                   # once: MKL's own tiled layout of the weight
     print(f"  cblas_sgemm_pack copied the {fmt_bytes(w.nbytes)} weight into MKL's layout once "
@@ -337,9 +339,10 @@ else:
     print(f"  {'rows':>4} {'panels':>7} {'packed':>7}  (as ratios to one row through x @ w.T)")
     for m, (ours, theirs) in timed.items():
         print(f"  {m:4} {ours / base:6.2f}x {theirs / base:6.2f}x")
-    print(f"  the engine packed every weight of {c.num_hidden_layers} layers and the LM head at load "
-          f"(model.packed, model.lm_head_packed); linear uses the packed copy from "
-          f"PACKED_MIN_ROWS = {cpu.PACKED_MIN_ROWS} rows, where whole decode steps measured it faster")
+    print(f"  with cpu_gemm='mkl' the engine packs every weight of {c.num_hidden_layers} layers and the LM head "
+          f"at load (model.copies['mkl']); linear uses the packed copy from PACKED_MIN_ROWS = "
+          f"{cpu.PACKED_MIN_ROWS} rows. One weight in cache does not say which engine wins a whole step: "
+          "cpu_gemm='auto' times whole steps of each kind through both, once per machine (tutorial 20)")
 
 print("\n6. Two thread pools on the same cores")
 libraries = thread_pools.openblas_libraries()

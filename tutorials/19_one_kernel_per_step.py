@@ -100,7 +100,9 @@ for it in range(threads):
 assert runs.min() == runs.max() == 1 and ctr[0, 0] == TASKS and owner.min() >= 0
 
 print(f"\n2. One step of one sequence, layer by layer and as one kernel ({MODEL})")
-engine = LLMEngine(MODEL, device="cpu", num_blocks=64, max_model_len=512, log_stats_interval=0)
+# our own kernels by name: with oneMKL installed, cpu_gemm="auto" times both engines on this
+# machine and may give some kinds of step to oneMKL (tutorial 20); the persistent kernel is ours
+engine = LLMEngine(MODEL, device="cpu", num_blocks=64, max_model_len=512, log_stats_interval=0, cpu_gemm="numba")
 model, c = engine.runner.model, engine.model_config
 stack = model.persistent              # the layers as the kernel reads them: views of the panels
 print(f"  {c.num_hidden_layers} layers, {persistent_decode.PHASES_PER_LAYER} phases each "

@@ -6,6 +6,8 @@
     warm_up.py           paging in the hot code at boot: dummy forward passes before the first request
     input_processor.py   a request checked in full before it is queued (exec()'s checks): RequestError
     backend.py           the hardware abstraction layer: picks the device and the kernel namespace
+    linear_calibration.py  the boot-time benchmark: each kind of step's linear-layer engine (ours
+                         or oneMKL's) timed once per machine and model shape, kept on disk
     thread_pools.py      BLAS's and Numba's thread pools told to yield the cores to each other,
                          whatever was imported first
     cache_engine.py      physical memory and swap space: owns the KV pool and the CPU swap pool,

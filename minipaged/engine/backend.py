@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..kernels.linear_paths import LinearPaths
 from .thread_pools import settle_blas_threads, settle_numba_layer
 
 logger = logging.getLogger("minipaged")
@@ -23,8 +24,11 @@ class Backend:
     device: str        # "cpu" or "cuda"
     ops: object        # kernels.cpu (a module) or kernels.cuda.CudaOps: xp, rms_norm, ..., paged_attention
     dtype: np.dtype    # weights and KV cache
-    gemm: object = None   # CPU: kernels.packed_gemm.PackedGemm (oneMKL) for the linear layers, or None
-    cpu_gemm: str = "auto"   # what was asked for (auto, mkl, numba): workers elsewhere resolve it themselves
+    gemm: object = None   # CPU: kernels.packed_gemm.PackedGemm (oneMKL), where some kind of step uses it, or None
+    cpu_gemm: str = "auto"   # what was asked for (auto, mkl, numba)
+    # each kind of step's engine for the linear layers (kernels/linear_paths.py); None while
+    # cpu_gemm="auto" with oneMKL installed has yet to measure them (engine/linear_calibration.py)
+    linear_paths: LinearPaths | None = LinearPaths()
 
     @property
     def xp(self):
@@ -40,10 +44,12 @@ def cuda_available() -> bool:
         return False
 
 
-def select_backend(device: str, dtype: str, cpu_gemm: str = "auto") -> Backend:
-    """CUDA when asked for (or, with "auto", when CuPy sees a GPU), else the CPU, whose linear
-    layers use oneMKL's packed GEMM when ``cpu_gemm`` allows and it is installed ("auto": on
-    Intel's CPUs only)."""
+def select_backend(device: str, dtype: str, cpu_gemm: str = "auto", linear_paths: LinearPaths | None = None) -> Backend:
+    """CUDA when asked for (or, with "auto", when CuPy sees a GPU), else the CPU. Its linear
+    layers' engines: ``linear_paths`` when given (a worker elsewhere gets the driver's); else
+    every step oneMKL's with ``cpu_gemm="mkl"``, ours with "numba" or without oneMKL installed,
+    and, with "auto" and oneMKL installed, None: measured once the model is known
+    (``engine/linear_calibration.py``)."""
     if device in ("cuda", "auto") and cuda_available():
         from ..kernels.cuda import gpu_ops  # noqa: PLC0415 (needs CuPy; compiles the .cu files once)
 
@@ -66,7 +72,16 @@ def select_backend(device: str, dtype: str, cpu_gemm: str = "auto") -> Backend:
         logger.info("the BLAS at %s cannot be told to stop busy-waiting after each matmul, which "
                     "slows the Numba kernels down (up to 2x); set OPENBLAS_THREAD_TIMEOUT=16 before "
                     "numpy is imported", ", ".join(stuck))
-    return Backend("cpu", cpu, np.dtype(np.float32), gemm, cpu_gemm)
+    if linear_paths is not None and "mkl" in linear_paths.used() and gemm is None:
+        # a worker on a host without oneMKL, given the driver's "auto" choice: ours throughout
+        logger.warning("the driver's linear paths (%s) take oneMKL, which this host lacks: every step runs "
+                       "minipaged's kernels here", linear_paths.describe())
+        linear_paths = LinearPaths.every("numba")
+    if linear_paths is None and (cpu_gemm != "auto" or gemm is None):
+        linear_paths = LinearPaths.every("mkl" if gemm is not None else "numba")
+    if linear_paths is not None and "mkl" not in linear_paths.used():
+        gemm = None
+    return Backend("cpu", cpu, np.dtype(np.float32), gemm, cpu_gemm, linear_paths)
 
 
 def release_device_memory() -> None:

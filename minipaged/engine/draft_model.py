@@ -29,6 +29,7 @@ import numpy as np
 
 from ..config import CacheConfig, ConfigError
 from ..kernels.layout import AttentionMetadata
+from ..kernels.linear_paths import LinearPaths
 from ..model.config import LlamaConfig
 from ..model.fetch import resolve_model
 from ..model.llama import LlamaModel
@@ -36,6 +37,7 @@ from ..model.tokenizer import Tokenizer
 from ..model.weights import load_checkpoint
 from ..scheduler.scheduler import ScheduledSeq
 from .cache_engine import CacheEngine, block_bytes
+from .linear_calibration import packs_anything
 from .rejection_sampler import draw
 from .sampler import SampleRequest, shaped_probs, to_host
 
@@ -68,14 +70,18 @@ def draft_cache_config(cache_config: CacheConfig) -> CacheConfig:
 
 
 class DraftModel:
-    def __init__(self, model_dir, config, ops, dtype, max_model_len: int, max_tokens_per_pass: int,
-                 gemm=None) -> None:
-        """The draft's weights; its pool comes once the target's is sized (``attach_pool``).
+    def __init__(self, model_dir, config, backend, max_model_len: int, max_tokens_per_pass: int) -> None:
+        """The draft's weights, on the target's ``backend`` (its device, kernels and linear
+        layers' engines); its pool comes once the target's is sized (``attach_pool``).
         ``max_tokens_per_pass``: a catch-up pass computes at most this many tokens (the step's
         token budget, which the GPU's pool sizing measured a pass of)."""
         self.config = config
+        ops, dtype = backend.ops, backend.dtype
+        # the target's engines, timed on the target's shape; a draft of which oneMKL would pack
+        # no weight runs ours throughout (its "mkl" steps would multiply nothing packed)
+        paths = backend.linear_paths if packs_anything(config) else LinearPaths.every("numba")
         self.model = LlamaModel(config, load_checkpoint(model_dir), ops, dtype, max_positions=max_model_len,
-                                gemm=gemm)   # the target's packed GEMM, for the draft's big weights
+                                gemm=backend.gemm if "mkl" in paths.used() else None, linear_paths=paths)
         self.ops, self.dtype = ops, dtype
         self.max_tokens_per_pass = max_tokens_per_pass
         self.cache: CacheEngine | None = None

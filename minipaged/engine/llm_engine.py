@@ -36,6 +36,7 @@ from .beam_search import BeamSearchParams, advance_beams
 from .draft_model import DraftModel, load_draft_config
 from .executor import check_executor, make_executor
 from .input_processor import InputProcessor, PromptInput, RequestError
+from .linear_calibration import settle_linear_paths
 from .metrics import Metrics
 from .model_runner import build_model_input
 from .output_processor import OutputProcessor
@@ -123,14 +124,16 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.backend = select_backend(self.config.device, self.config.dtype, self.config.cpu_gemm)
         check_executor(self.parallel_config, self.backend.device)
+        # cpu_gemm="auto" with oneMKL: each kind of step's engine, timed once a machine and model shape
+        self.backend = settle_linear_paths(self.backend, self.model_config, model_dir)
         draft = None      # (directory, config) of a draft model, checked before anything loads
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
             draft = load_draft_config(self.speculative_config.model, self.model_config, self.tokenizer,
                                       self.max_model_len)
         # a draft model is loaded before the pool is sized (its weights take memory too), and its
         # pool is indexed by the same block ids: each block costs both pools' bytes
-        self.draft = (DraftModel(draft[0], draft[1], self.backend.ops, self.backend.dtype, self.max_model_len,
-                                 self.scheduler_config.max_num_batched_tokens, self.backend.gemm) if draft else None)
+        self.draft = (DraftModel(draft[0], draft[1], self.backend, self.max_model_len,
+                                 self.scheduler_config.max_num_batched_tokens) if draft else None)
         draft_bytes = DraftModel.bytes_per_block(draft[1], cache_config, self.backend.dtype) if draft else 0
         # The workers: each loads its shard and allocates its pool, all with the same block count
         self.executor = make_executor(

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..config import CacheConfig, ConfigError, ParallelConfig
 from ..kernels.layout import AttentionMetadata
+from ..kernels.linear_paths import LinearPaths
 from ..model.config import LlamaConfig
 from ..model.sharding import ShardSpec
 from ..model.weights import load_checkpoint
@@ -108,7 +109,7 @@ class WorkerActor:
 
     def __init__(self, shard: ShardSpec, model_dir: str, model_config: LlamaConfig, cache_config: CacheConfig,
                  device: str, dtype: str, max_model_len: int, max_num_batched_tokens: int,
-                 cpu_gemm: str = "auto") -> None:
+                 cpu_gemm: str = "auto", linear_paths: LinearPaths | None = None) -> None:
         self.max_model_len, self.max_num_batched_tokens = max_model_len, max_num_batched_tokens
         self.group: NcclGroup | None = None
         self.seconds = {"unpack": 0.0, "compute": 0.0}   # where this worker's step time went
@@ -116,7 +117,7 @@ class WorkerActor:
         # bad checkpoint, say) to the driver, but a failed constructor only as "the actor died".
         self.load_error: Exception | None = None
         try:
-            self.backend = select_backend(device, dtype, cpu_gemm)   # the driver's choice of GEMM
+            self.backend = select_backend(device, dtype, cpu_gemm, linear_paths)   # the driver's engines
             self.worker = Worker(shard, model_config, load_checkpoint(model_dir), cache_config, self.backend,
                                  max_model_len)
         except Exception as err:  # noqa: BLE001 (handed to the driver as it is)
@@ -245,7 +246,7 @@ class RayExecutor:
                 stage.append(actor.options(**options, scheduling_strategy=strategy, max_concurrency=1).remote(
                     ShardSpec(t, tp, p, pp), str(model_dir), model_config, cache_config, backend.device,
                     "float32" if backend.dtype == np.float32 else "float16", max_model_len,
-                    max_num_batched_tokens, backend.cpu_gemm))
+                    max_num_batched_tokens, backend.cpu_gemm, backend.linear_paths))
             self.stages.append(stage)
         self.actors.extend(a for stage in self.stages for a in stage)
         try:                                 # a bad model or budget: its own error, as with uni

@@ -38,9 +38,13 @@ class Worker:
         self.shard = shard
         self.backend = backend
         self.cache_config = cache_config
+        if backend.linear_paths is None:
+            raise RuntimeError("the backend's linear paths are not decided yet: settle them first "
+                               "(engine/linear_calibration.py settle_linear_paths)")
         self.config = shard_config(model_config, shard)          # this worker's heads, columns, layers
         self.model = LlamaModel(self.config, shard_tensors(tensors, model_config, shard), backend.ops,
-                                backend.dtype, max_positions=max_model_len, shard=shard, gemm=backend.gemm)
+                                backend.dtype, max_positions=max_model_len, shard=shard, gemm=backend.gemm,
+                                linear_paths=backend.linear_paths)
         self.runner = ModelRunner(self.model)
         self.cache: CacheEngine | None = None                    # after init_cache
         self.bytes_per_block = block_bytes(self.config, cache_config, backend.dtype)   # one frame here

@@ -87,9 +87,10 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="GPU: share of the device's memory for weights, activations and the KV cache")
     g.add_argument("--cpu-gemm", default="auto", choices=["auto", "mkl", "numba"],
-                   help="the CPU's linear layers: oneMKL's packed GEMM (pip install 'minipaged[mkl]'; "
-                        "auto uses it when installed, on an Intel CPU) or minipaged's Numba kernels (decode steps on "
-                        "each weight's panels, made at load) and numpy's BLAS")
+                   help="the CPU's linear layers: oneMKL's packed GEMM (pip install 'minipaged[mkl]') or "
+                        "minipaged's Numba kernels (decode steps on each weight's panels, made at load) and numpy's "
+                        "BLAS; auto, with oneMKL installed, times both once per machine and model shape and gives "
+                        "each kind of step (single-stream decode, batched decode, prefill) the faster")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most log-probabilities a request may ask for per token (-1: no cap)")

@@ -146,8 +146,9 @@ def runs_to_compare(workload: str, base: dict, cfg: dict) -> dict[str, dict]:
 
 
 def library_versions(cpu_gemm: str = "auto") -> dict:
-    """What ran the engine: the CPU, the libraries and the thread counts, and which engine
-    ``cpu_gemm`` gave the CPU's linear layers ("mkl" or "numba"), for the JSON report."""
+    """What ran the engine: the CPU, the libraries and the thread counts, and the ``cpu_gemm``
+    asked for (the engine each kind of step took is in the result: ``linear_paths``), for the
+    JSON report."""
     import os  # noqa: PLC0415
 
     import importlib.metadata  # noqa: PLC0415
@@ -155,18 +156,14 @@ def library_versions(cpu_gemm: str = "auto") -> dict:
     import numba  # noqa: PLC0415
     import numpy  # noqa: PLC0415
 
-    from ..kernels.packed_gemm import cpuinfo_field, load_packed_gemm  # noqa: PLC0415
+    from ..kernels.packed_gemm import cpuinfo_field  # noqa: PLC0415
 
     try:                                 # the CPU's linear layers use it when installed (--cpu-gemm)
         mkl = importlib.metadata.version("mkl")
     except importlib.metadata.PackageNotFoundError:
         mkl = None
-    try:
-        linear = "mkl" if load_packed_gemm(cpu_gemm, numba.get_num_threads()) is not None else "numba"
-    except ValueError:                   # "mkl" asked for and not there: the engine refused it too
-        linear = None
     return {"cpu_vendor": cpuinfo_field("vendor_id"), "cpu_model": cpuinfo_field("model name"),
-            "cpu_count": os.cpu_count(), "cpu_linear_layers": linear,
+            "cpu_count": os.cpu_count(), "cpu_gemm": cpu_gemm,
             "numpy": numpy.__version__, "numba": numba.__version__, "numba_threads": numba.get_num_threads(),
             "mkl": mkl, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS")}
 
@@ -197,6 +194,8 @@ def warm_up(engine: LLMEngine) -> None:
     vocab = engine.model_config.vocab_size
     run_workload(engine, [BenchRequest(p, 2) for p in make_prompts(2, 40, 40, vocab, 1)], progress=False)
     engine.metrics = Metrics()
+    if engine.model is not None:
+        engine.model.steps_by_path.clear()
     engine.scheduler.reset_counters()
     if engine.block_manager.cache is not None:
         engine.block_manager.cache.queries = engine.block_manager.cache.hits = 0

@@ -11,6 +11,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..engine.beam_search import BeamSearchParams
+from ..kernels.linear_paths import KIND_NAMES, STEP_KINDS
 from ..sampling_params import OutputKind, SamplingParams
 from .workloads import BenchRequest
 
@@ -100,4 +101,17 @@ def run_workload(engine, requests: list[BenchRequest], progress: bool = True) ->
         "num_preemptions_swap": stats["num_preemptions_swap"],
         "num_preemptions_recompute": stats["num_preemptions_recompute"],
         "blocks_swapped_out": stats["blocks_swapped_out"],
+        "linear_paths": paths_taken(engine),
     }
+
+
+def paths_taken(engine) -> str | None:
+    """The engine of the linear layers (kernels/linear_paths.py) each kind of step took, and how
+    many steps: "single-stream decode numba x 1, batched decode numba x 95"; None where the model
+    is not in this process, or not on the CPU."""
+    model = engine.model
+    if model is None or engine.backend.device != "cpu":
+        return None
+    order = {kind: i for i, kind in enumerate(STEP_KINDS)}
+    taken = sorted(model.steps_by_path.items(), key=lambda item: order[item[0][0]])
+    return ", ".join(f"{KIND_NAMES[kind]} {path} x {n}" for (kind, path), n in taken) or "no steps"

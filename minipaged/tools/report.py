@@ -4,6 +4,7 @@ figures and its picture of the KV pool over time (matplotlib, the ``plot`` extra
 
 from __future__ import annotations
 
+from ..kernels.linear_paths import KIND_NAMES
 from ..memory.fragmentation import summarize
 
 
@@ -80,29 +81,34 @@ def print_roofline(report: dict) -> None:
         print("  (the better of two probes, start and end: "
               + ", ".join(f"{p['matmul_peak'] / 1e9:.0f} / {p['read_bandwidth'] / 1e9:.1f}" for p in m["probes"])
               + " GFLOP/s / GB/s)")
+    if report.get("linear_paths"):
+        print("  linear layers (kernels/linear_paths.py): "
+              + ", ".join(f"{KIND_NAMES[kind]} {path}" for kind, path in report["linear_paths"].items()))
     parts = ("matmuls", "lm_head", "attention", "other_kernels", "persistent", "sampler", "python")
     head = "  ".join(f"{p:>13}" for p in parts)
-    print(f"  {'decode':>8} {'ctx':>5} {'step ms':>8} {'bound ms':>8} {'ratio':>6} {'serial':>7} {'s.rat':>6} "
+    print(f"  {'decode':>8} {'path':>5} {'ctx':>5} {'step ms':>8} {'bound ms':>8} {'ratio':>6} {'serial':>7} {'s.rat':>6} "
           f"{'mm GF/s':>8}  {head}")
     for r in report["decode"]:
         cells = "  ".join(f"{r['breakdown_s'][p] * 1e3:13.2f}" for p in parts)
-        print(f"  {'B=' + str(r['batch']):>8} {r['mean_context']:5.0f} {r['step_s'] * 1e3:8.1f} "
+        print(f"  {'B=' + str(r['batch']):>8} {r['linear_path']:>5} {r['mean_context']:5.0f} {r['step_s'] * 1e3:8.1f} "
               f"{r['bound_s'] * 1e3:8.1f} {r['ratio']:6.2f} {r['serial_bound_s'] * 1e3:7.1f} {r['serial_ratio']:6.2f} "
               f"{r['matmul_gflop_s']:8.1f}  {cells}")
         if "layer_by_layer" in r:
             lbl = r["layer_by_layer"]
             cells = "  ".join(f"{lbl['breakdown_s'][p] * 1e3:13.2f}" for p in parts)
-            print(f"  {'layers':>8} {'':>5} {lbl['step_s'] * 1e3:8.1f} {'':>8} {lbl['ratio']:6.2f} {'':>7} "
+            print(f"  {'layers':>8} {'':>5} {'':>5} {lbl['step_s'] * 1e3:8.1f} {'':>8} {lbl['ratio']:6.2f} {'':>7} "
                   f"{lbl['serial_ratio']:6.2f} {'':>8}  {cells}")
     if report["prefill"]:
-        print(f"  {'prefill':>8} {'':>5} {'step ms':>8} {'bound ms':>8} {'ratio':>6} {'serial':>7} {'s.rat':>6} "
+        print(f"  {'prefill':>8} {'path':>5} {'':>5} {'step ms':>8} {'bound ms':>8} {'ratio':>6} {'serial':>7} {'s.rat':>6} "
               f"{'GF/s':>8}  {head}")
     for r in report["prefill"]:
         cells = "  ".join(f"{r['breakdown_s'][p] * 1e3:13.2f}" for p in parts)
-        print(f"  {'T=' + str(r['prompt_len']):>8} {'':>5} {r['step_s'] * 1e3:8.1f} {r['bound_s'] * 1e3:8.1f} "
+        print(f"  {'T=' + str(r['prompt_len']):>8} {r['linear_path']:>5} {'':>5} {r['step_s'] * 1e3:8.1f} {r['bound_s'] * 1e3:8.1f} "
               f"{r['ratio']:6.2f} {r['serial_bound_s'] * 1e3:7.1f} {r['serial_ratio']:6.2f} {r['gflop_s']:8.1f}  "
               f"{cells}   ({100 * r['fraction_of_peak']:.0f}% of peak)")
-    print("  (breakdown in ms per step; ratio = step / bound, 1.00 is the roofline; serial: the bound\n"
+    print("  (path: the engine of the step's linear layers, numba (our panels, persistent kernel and\n"
+          "   BLAS) or mkl (oneMKL's packed GEMM); breakdown in ms per step; ratio = step / bound,\n"
+          "   1.00 is the roofline; serial: the bound\n"
           "   when attention's K/V reading cannot hide under the products' arithmetic (the products'\n"
           "   bound, then attention's), s.rat the step's ratio to it; persistent: a decode step's layers\n"
           "   and LM head in one kernel, products, attention and the rest together; the 'layers' line\n"

@@ -263,6 +263,13 @@ class StepProfiler:
 # --------------------------------------------------------------------------- the measurements
 
 
+def _paths_since(engine: LLMEngine, before: dict) -> str:
+    """The engine ("numba" or "mkl", kernels/linear_paths.py) of the linear layers of the steps
+    run since ``before`` (a copy of the model's ``steps_by_path``): both, joined, if they differ."""
+    now = engine.runner.model.steps_by_path
+    return "+".join(sorted({path for (kind, path), n in now.items() if n > before.get((kind, path), 0)}))
+
+
 def _timed_steps(engine: LLMEngine, profiler: StepProfiler, steps: int) -> float:
     """Seconds that ``steps`` engine steps take, the profiler counting from zero."""
     profiler.reset()
@@ -324,7 +331,9 @@ def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], con
             engine.step()                                  # warm-up at this size
             running = list(engine.scheduler.running)
             contexts = [g.seqs[0].num_computed_tokens + 1 for g in running]   # after this step's token
+            before = dict(engine.runner.model.steps_by_path)
             total = _timed_steps(engine, profiler, steps)
+            path = _paths_since(engine, before)
             breakdown = profiler.breakdown(total, steps)
             if breakdown["persistent"] > 0:  # the same kind of steps layer by layer: where the time goes
                 layers = _layer_by_layer(engine, profiler, steps, machine)
@@ -336,7 +345,8 @@ def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], con
             if len(engine.scheduler.running) != len(running):
                 raise RuntimeError("a decode request finished while it was being timed; "
                                    "give the engine a longer max_model_len")
-            row = {"batch": len(running), **_decode_row(engine, machine, contexts, total, steps, breakdown)}
+            row = {"batch": len(running), "linear_path": path,
+                   **_decode_row(engine, machine, contexts, total, steps, breakdown)}
             parts = row["breakdown_s"]   # a persistent step's products are timed with its layers
             row["matmul_gflop_s"] = row["matmul_flops"] / (parts["matmuls"] + parts["lm_head"]
                                                            + parts["persistent"]) / 1e9
@@ -367,16 +377,18 @@ def measure_prefill(engine: LLMEngine, machine: dict, prefill_lens: list[int], r
                 engine.add_request(f"prefill-{length}-{r}", prompt,
                                    SamplingParams(temperature=0.0, max_tokens=1, detokenize=False))
                 profiler.reset()
+                before = dict(engine.runner.model.steps_by_path)
                 start = time.perf_counter()
                 engine.step()
                 total = time.perf_counter() - start
+                path = _paths_since(engine, before)
                 parts = profiler.breakdown(total, 1)          # this step's alone
                 while engine.has_unfinished_requests():
                     engine.step()
                 if r and (best is None or total < best[0]):
-                    best = (total, parts)
+                    best = (total, parts, path)
             cost = step_cost(engine, [length], [length], 1)
-            row = {"prompt_len": length, "step_s": best[0], "breakdown_s": best[1], **cost}
+            row = {"prompt_len": length, "linear_path": best[2], "step_s": best[0], "breakdown_s": best[1], **cost}
             _set_bounds(row, machine)
             row["gflop_s"] = cost["flops"] / best[0] / 1e9
             row["fraction_of_peak"] = cost["flops"] / best[0] / machine["matmul_peak"]
@@ -451,4 +463,5 @@ def run_roofline(engine_kwargs: dict, cfg: dict, progress=print) -> dict:
             _set_bounds(timed, machine)
         if "fraction_of_peak" in row:
             row["fraction_of_peak"] = row["flops"] / row["step_s"] / machine["matmul_peak"]
-    return {"machine": machine, "decode": decode, "prefill": prefill}
+    return {"machine": machine, "linear_paths": engine.runner.model.linear_paths.as_dict(), "decode": decode,
+            "prefill": prefill}
