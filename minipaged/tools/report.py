@@ -106,10 +106,9 @@ def print_roofline(report: dict) -> None:
         print(f"  {'T=' + str(r['prompt_len']):>8} {r['linear_path']:>5} {'':>5} {r['step_s'] * 1e3:8.1f} {r['bound_s'] * 1e3:8.1f} "
               f"{r['ratio']:6.2f} {r['serial_bound_s'] * 1e3:7.1f} {r['serial_ratio']:6.2f} {r['gflop_s']:8.1f}  "
               f"{cells}   ({100 * r['fraction_of_peak']:.0f}% of peak)")
-    print("  (path: the engine of the step's linear layers, numba (our panels, persistent kernel and\n"
-          "   BLAS) or mkl (oneMKL's packed GEMM); breakdown in ms per step; ratio = step / bound,\n"
-          "   1.00 is the roofline; serial: the bound\n"
-          "   when attention's K/V reading cannot hide under the products' arithmetic (the products'\n"
-          "   bound, then attention's), s.rat the step's ratio to it; persistent: a decode step's layers\n"
-          "   and LM head in one kernel, products, attention and the rest together; the 'layers' line\n"
-          "   under it: the same steps again layer by layer, kernel by kernel)")
+    print("  (path: the engine of the step's linear layers, numba (our panels, persistent kernel and BLAS)\n"
+          "   or mkl (oneMKL's packed GEMM); breakdown in ms per step; ratio = step / bound, 1.00 is the\n"
+          "   roofline; serial: the bound when attention's K/V reading cannot hide under the products'\n"
+          "   arithmetic (the products' bound, then attention's), s.rat the step's ratio to it; persistent:\n"
+          "   a decode step's layers and LM head in one kernel, products, attention and the rest together;\n"
+          "   the 'layers' line under it: the same steps again layer by layer, kernel by kernel)")
