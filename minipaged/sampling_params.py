@@ -12,7 +12,7 @@ class OutputKind(enum.Enum):
     """What each ``LLMEngine.step()`` reports for a request (vLLM's RequestOutputKind)."""
 
     CUMULATIVE = "cumulative"  # everything generated so far
-    DELTA = "delta"            # only what this step added
+    DELTA = "delta"            # only what this step added; a sample once finished, no more
     FINAL_ONLY = "final_only"  # nothing until the request finishes
 
 

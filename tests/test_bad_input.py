@@ -295,7 +295,10 @@ def test_max_tokens_is_capped_to_what_max_model_len_leaves(llm):
     group = engine._make_group("capped", [5] * 10, params)            # built, not queued
     assert (group.sampling_params.max_tokens, group.sampling_params.min_tokens) == (MAX_MODEL_LEN - 10,) * 2
     assert (params.max_tokens, params.min_tokens) == (1000, 900)     # the caller's object is untouched
-    assert engine._make_group("full", [5] * MAX_MODEL_LEN, params).sampling_params.max_tokens == 1
+    assert engine._make_group("last", [5] * (MAX_MODEL_LEN - 1), params).sampling_params.max_tokens == 1
+    with pytest.raises(RequestError, match=f"the prompt has {MAX_MODEL_LEN} tokens, more than max_model_len="
+                                           f"{MAX_MODEL_LEN} allows: it must leave room for at least one generated"):
+        engine._make_group("full", [5] * MAX_MODEL_LEN, params)       # vLLM's rule: no room, no request
     (out,) = llm.generate([5] * 10, params, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == MAX_MODEL_LEN - 10 and out.outputs[0].finish_reason == "length"
     # the footprint check counts the capped number, and says so

@@ -401,3 +401,33 @@ def test_more_bad_requests(tiny_model_dir):
         make_llm(tiny_model_dir, max_model_len=0)
     with pytest.raises(ValueError, match="could not allocate a KV pool"):
         make_llm(tiny_model_dir, kv_cache_space=1e9)
+
+
+def test_a_delta_stream_reports_each_samples_finish_once(tiny_model_dir):
+    """OutputKind.DELTA with n = 3: a sample that finishes early is reported finished once, then
+    left out of the later reports (vLLM's deltas); CUMULATIVE keeps every sample in every report."""
+    engine = make_llm(tiny_model_dir).llm_engine
+    stops = list(range(3, 90))                 # a third of the vocabulary: the samples end apart
+    early = 0
+    for seed in range(8):
+        params = SamplingParams(n=3, temperature=1.0, seed=seed, max_tokens=30, stop_token_ids=stops)
+        engine.add_request("d", "2+2?", dataclasses.replace(params, output_kind=OutputKind.DELTA))
+        engine.add_request("c", "2+2?", dataclasses.replace(params, output_kind=OutputKind.CUMULATIVE))
+        finished_at, tokens, last = {}, {i: [] for i in range(3)}, None
+        step = 0
+        while engine.has_unfinished_requests():
+            step += 1
+            for out in engine.step():
+                if out.request_id == "c":
+                    assert sorted(c.index for c in out.outputs) == [0, 1, 2]
+                    last = out
+                    continue
+                for c in out.outputs:
+                    assert c.index not in finished_at, f"sample {c.index} reported after its finish"
+                    tokens[c.index] += c.token_ids
+                    if c.finish_reason:
+                        finished_at[c.index] = step
+        assert sorted(finished_at) == [0, 1, 2]
+        assert [tokens[i] for i in range(3)] == [c.token_ids for c in last.outputs]   # the same samples
+        early += len(set(finished_at.values())) > 1
+    assert early >= 1

@@ -153,6 +153,53 @@ def test_logprobs_and_n(client):
     assert len(legacy.choices[0].logprobs.tokens) == 3 and len(legacy.choices[0].logprobs.top_logprobs[0]) == 2
 
 
+# a third of the vocabulary stops a sample: n = 3 samples at temperature 1 end at different steps
+EARLY_STOPS = list(range(3, 90))
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_each_choice_of_a_stream_finishes_exactly_once(client, api):
+    """n = 3 streamed: a choice that stops early sends its finish chunk once, not again at every
+    later step (issue 40: 26 and 27 times through this client)."""
+    early = 0
+    for seed in range(8):
+        kwargs = dict(model=MODEL, max_tokens=40, n=3, temperature=1.0, seed=seed, stream=True,
+                      extra_body={"stop_token_ids": EARLY_STOPS})
+        if api == "chat":
+            chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "2+2?"}], **kwargs))
+        else:
+            chunks = list(client.completions.create(prompt="2+2?", **kwargs))
+        finishes = [(i, c.choices[0].index, c.choices[0].finish_reason) for i, c in enumerate(chunks)
+                    if c.choices and c.choices[0].finish_reason]
+        assert sorted(index for _, index, _ in finishes) == [0, 1, 2], finishes
+        assert all(not c.choices or c.choices[0].index != index or i <= at          # nothing after its finish
+                   for i, c in enumerate(chunks) for at, index, _ in finishes)
+        early += any(reason == "stop" for _, _, reason in finishes) and any(r == "length" for _, _, r in finishes)
+    assert early >= 1            # some seed had a choice finish while the others went on
+
+
+def test_a_prompt_must_leave_room_for_one_token(server, client, tiny_model_dir):
+    """vLLM's rule: a prompt of max_model_len tokens (here 512) is a 400 naming the prompt, with
+    max_tokens or without (issue 40: a chat prompt of exactly max_model_len was answered, one
+    token past the context); one token fewer gets its one token."""
+    from minipaged.model.tokenizer import Tokenizer
+
+    limit = 512
+    ok = client.completions.create(model=MODEL, prompt=[5] * (limit - 1), max_tokens=1,
+                                   extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 1 and ok.choices[0].finish_reason == "length"
+    for body in ({"prompt": [5] * limit}, {"prompt": [5] * limit, "max_tokens": 1}):
+        r = httpx.post(f"{server.url}/completions", json={"model": MODEL, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert "must leave room for at least one generated token" in r.json()["error"]["message"]
+    template = Tokenizer.from_dir(tiny_model_dir)
+    wrapper = len(template.encode(template.apply_chat_template([{"role": "user", "content": ""}],
+                                                               add_generation_prompt=True), add_special_tokens=False))
+    full = [{"role": "user", "content": "a" * (limit - wrapper)}]        # a byte a token: exactly 512
+    r = httpx.post(f"{server.url}/chat/completions", json={"model": MODEL, "messages": full}, timeout=30)
+    assert r.status_code == 400 and "512 tokens" in r.json()["error"]["message"]
+
+
 def test_tokenize_detokenize(server):
     ids = httpx.post(f"{server.base}/tokenize", json={"prompt": "hello"}).json()
     assert ids["count"] == len(ids["tokens"]) > 0

@@ -103,9 +103,10 @@ class InputProcessor:
         if bad:
             raise RequestError(f"token id {shown(bad[0])} is outside the vocabulary "
                                f"(ids 0..{self.vocab_size - 1})")
-        if len(ids) > self.max_model_len:
+        if len(ids) >= self.max_model_len:   # vLLM's rule too: room for at least one new token
             raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len="
-                               f"{self.max_model_len}")
+                               f"{self.max_model_len} allows: it must leave room for at least one "
+                               f"generated token (at most {self.max_model_len - 1} prompt tokens)")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:   # the sampler bans stop ids by indexing the logits (min_tokens)
             raise RequestError(f"stop_token_ids: token id {shown(bad[0])} is outside the vocabulary "
@@ -148,11 +149,11 @@ class InputProcessor:
 
         The sequence would stop there anyway (finish_reason "length"); capping it here
         makes the group's own numbers (its footprint, the contiguous reservation) say so.
-        A prompt of exactly max_model_len tokens still gets its one token: the token
-        sampled last is never cached. The caller's object is left alone (a copy is
-        changed), and min_tokens is capped with it (a longer min could never be reached).
+        The prompt left room for at least one token (``make_group``). The caller's object is
+        left alone (a copy is changed), and min_tokens is capped with it (a longer min could
+        never be reached).
         """
-        room = max(1, self.max_model_len - prompt_len)
+        room = self.max_model_len - prompt_len
         if params.max_tokens <= room:
             return params
         return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))

@@ -24,6 +24,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         # what each sequence has already reported, for DELTA outputs: seq_id -> (tokens, chars)
         self._reported: dict[int, tuple[int, int]] = {}
+        self._finish_reported: set[int] = set()   # DELTA samples whose finish has been reported
         # request id -> its prompt logprobs so far: [None, {...}, ...], one per prompt token
         self._prompt_logprobs: dict[str, list[dict[int, float] | None]] = {}
         self._prompt_logprobs_sent: set[str] = set()   # DELTA requests that have had them
@@ -118,6 +119,7 @@ class OutputProcessor:
         """Drop what was reported for a finished or aborted request."""
         for seq in group.seqs:
             self._reported.pop(seq.seq_id, None)
+            self._finish_reported.discard(seq.seq_id)
         self._prompt_logprobs.pop(group.request_id, None)
         self._prompt_logprobs_sent.discard(group.request_id)
 
@@ -153,6 +155,12 @@ class OutputProcessor:
                 text = text[:max(len(text) - hold, 0)]
             logprobs = seq.logprobs if group.sampling_params.logprobs is not None else None
             if kind == OutputKind.DELTA:
+                # a sample that finished at an earlier step has nothing to add: reported once
+                # (vLLM's deltas too), or a stream of n > 1 would repeat its finish_reason
+                if seq.seq_id in self._finish_reported:
+                    continue
+                if seq.is_finished():
+                    self._finish_reported.add(seq.seq_id)
                 n_tok, n_chr = self._reported.get(seq.seq_id, (0, 0))
                 self._reported[seq.seq_id] = (len(tokens), len(text))
                 tokens, text = tokens[n_tok:], text[n_chr:]
