@@ -54,6 +54,7 @@ from minipaged.kernels.packed_gemm import load_packed_gemm
 from minipaged.model.config import LlamaConfig
 from minipaged.model.fetch import resolve_model
 from minipaged.model.weights import load_checkpoint
+from minipaged.tools.measure import paths_taken
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
 ROUNDS = 2                    # timed rounds in step 2 (the engine's own timing takes 3)
@@ -112,11 +113,10 @@ for name in ("auto", "numba") + (("mkl",) if gemm is not None else ()):
     outputs = llm.generate(prompts, params, use_tqdm=False)                   # two together: batched steps
     outputs += llm.generate([alone], params, use_tqdm=False)                  # one alone: single-stream steps
     runs[name] = [o.outputs[0].token_ids for o in outputs]
-    taken = llm.llm_engine.model.steps_by_path            # (kind, engine) -> steps
-    print(f"  cpu_gemm={name!r:8} " + ", ".join(f"{KIND_NAMES[k]} {p} x {n}" for (k, p), n in taken.items()))
+    print(f"  cpu_gemm={name!r:8} {paths_taken(llm.llm_engine)}")   # from model.steps_by_path
     if name == "auto":
         auto_paths = llm.llm_engine.model.linear_paths
-        assert all(path == auto_paths.for_kind(kind) for kind, path in taken)
+        assert all(path == auto_paths.for_kind(kind) for kind, path in llm.llm_engine.model.steps_by_path)
     llm = None                                             # let its weights go before the next
 used = auto_paths.used()
 if len(used) == 1:      # one engine for every kind: the very floats of that engine asked for by name

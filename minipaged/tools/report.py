@@ -4,7 +4,7 @@ figures and its picture of the KV pool over time (matplotlib, the ``plot`` extra
 
 from __future__ import annotations
 
-from ..kernels.linear_paths import KIND_NAMES
+from ..kernels.linear_paths import LinearPaths
 from ..memory.fragmentation import summarize
 
 
@@ -82,8 +82,7 @@ def print_roofline(report: dict) -> None:
               + ", ".join(f"{p['matmul_peak'] / 1e9:.0f} / {p['read_bandwidth'] / 1e9:.1f}" for p in m["probes"])
               + " GFLOP/s / GB/s)")
     if report.get("linear_paths"):
-        print("  linear layers (kernels/linear_paths.py): "
-              + ", ".join(f"{KIND_NAMES[kind]} {path}" for kind, path in report["linear_paths"].items()))
+        print(f"  linear layers (kernels/linear_paths.py): {LinearPaths(**report['linear_paths']).describe()}")
     parts = ("matmuls", "lm_head", "attention", "other_kernels", "persistent", "sampler", "python")
     head = "  ".join(f"{p:>13}" for p in parts)
     print(f"  {'decode':>8} {'path':>5} {'ctx':>5} {'step ms':>8} {'bound ms':>8} {'ratio':>6} {'serial':>7} {'s.rat':>6} "
