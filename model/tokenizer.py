@@ -55,6 +55,65 @@ def unicode_problem(text: str) -> str | None:
     return None
 
 
+# How many times shorter a normalizer may make text, by its kind; a kind not named here may
+# shorten it without bound (Strip, a regex Replace, SentencePiece's Precompiled map, ...).
+# NFC composes at most four code points into one (Greek: alpha, two accents, iota subscript).
+_NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1}
+# Pre-tokenizers that keep every character (those that drop some, Whitespace say, are unbounded).
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts"}
+
+
+def _shrink(normalizer: dict | None) -> int | None:
+    """How many times shorter ``normalizer`` (tokenizer.json's) may make a text; None: no bound."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers", []):
+            f = _shrink(part)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace":                  # a plain string replaced by one at least as long
+        pattern, content = normalizer.get("pattern", {}).get("String"), normalizer.get("content", "")
+        return 1 if pattern is not None and len(content) >= len(pattern) else None
+    return _NORMALIZER_SHRINK.get(kind)
+
+
+def _keeps_characters(pre_tokenizer: dict | None) -> bool:
+    if pre_tokenizer is None:
+        return True
+    if pre_tokenizer.get("type") == "Sequence":
+        return all(_keeps_characters(p) for p in pre_tokenizer.get("pretokenizers", []))
+    if pre_tokenizer.get("type") == "Split":
+        return pre_tokenizer.get("behavior") != "Removed"
+    return pre_tokenizer.get("type") in _KEEPING_PRE_TOKENIZERS
+
+
+def chars_per_token_bound(backend) -> int | None:
+    """The most characters of text one token can stand for, or None if there is no bound.
+
+    A token's vocabulary string is at least as long as the text it decodes to (byte-level
+    BPE writes one character per byte; SentencePiece one per character, ``<0x0A>`` for a
+    byte), so a text of C characters has at least C / L tokens, L the longest string: a
+    prompt can be refused by its length before it is tokenized. A normalizer that shortens
+    text (NFC) multiplies L; one that may shorten it without bound (Strip), a pre-tokenizer
+    that drops characters (Whitespace), or a model that maps a whole unknown word to one
+    token (WordPiece, WordLevel, fused unknowns) leaves no bound.
+    """
+    spec = json.loads(backend.to_str())
+    model = spec.get("model", {})
+    if model.get("type") not in ("BPE", "Unigram") or (model.get("fuse_unk") and not model.get("byte_fallback")):
+        return None
+    shrink = _shrink(spec.get("normalizer"))
+    if shrink is None or not _keeps_characters(spec.get("pre_tokenizer")):
+        return None
+    longest = max((len(text) for text in backend.get_vocab(with_added_tokens=True)), default=1)
+    return longest * shrink
+
+
 def _shown(value, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
@@ -93,6 +152,7 @@ class Tokenizer:
         self._eos_id = None if eos_token is None else backend.token_to_id(eos_token)
         self._bos_id = None if bos_token is None else backend.token_to_id(bos_token)
         self._stop_ids = frozenset(_as_list(self._eos_id) + list(extra_stop_ids))
+        self.max_chars_per_token = chars_per_token_bound(backend)   # None: no bound
         try:
             self._template = None if chat_template is None else _compile_template(chat_template)
         except TemplateError as err:
@@ -168,7 +228,9 @@ class Tokenizer:
         problem = unicode_problem(text)
         if problem is not None:   # the tokenizers library would raise a bare TypeError
             raise ValueError(f"encode() takes valid Unicode text: {problem}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode holds it): a long prompt
+        # tokenized in a thread does not stop the server's event loop or the engine's steps.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -42,3 +42,9 @@ def reference(tiny_model_dir):
     from minipaged.model.weights import load_checkpoint
 
     return DenseReference(LlamaConfig.from_dir(tiny_model_dir), load_checkpoint(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def long_model_dir_for_soak(tmp_path_factory) -> Path:
+    """The tiny model with a 2048-token context: the soak's prompts near the limit are long."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-2k"), max_position_embeddings=2048)

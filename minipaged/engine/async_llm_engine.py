@@ -13,6 +13,12 @@ through a queue and applied just before the next step. A request is validated (a
 tokenized) before it is handed over, so a bad one raises ``RequestError`` at once in
 its caller and never reaches the engine.
 
+Nothing on the event loop waits for the engine's thread to answer a question about the
+engine: each step leaves a heartbeat (engine/liveness.py) with a copy of the statistics,
+which ``get_stats`` and ``health`` read. With a ``step_timeout``, a watchdog declares the
+engine dead when one step runs past it (a hung or lost worker): every caller gets
+``EngineDeadError``, and so does every later request.
+
     engine = AsyncLLMEngine.from_engine_args(model="smollm2-135m-instruct")
     async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
         print(out.outputs[0].text)
@@ -31,6 +37,7 @@ from ..sampling_params import OutputKind, SamplingParams
 from ..sequence import SequenceGroup
 from .beam_search import BeamSearchParams
 from .input_processor import RequestError
+from .liveness import Heartbeat
 from .llm_engine import LLMEngine
 from .warm_up import warm_up
 
@@ -42,7 +49,8 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None,
+                 step_timeout: float | None = None) -> None:
         if max_queued_requests is not None and not (isinstance(max_queued_requests, int)
                                                     and not isinstance(max_queued_requests, bool)
                                                     and max_queued_requests >= 0):
@@ -60,11 +68,16 @@ class AsyncLLMEngine:
         # called as fn(output, num_output_tokens) when a request finishes (the server's metrics)
         self.finished_listeners: list = []
         self._delta: dict[str, list[int]] = {}            # DELTA requests: tokens so far per sample
+        self.heartbeat = Heartbeat(step_timeout)          # when the step now running began; the stats
+        self._watchdog: asyncio.Task | None = None        # declares the engine dead past step_timeout
+        # called as fn(error) once, on the event loop, when the engine dies (the server exits)
+        self.dead_listeners: list = []
 
     @classmethod
-    def from_engine_args(cls, max_queued_requests: int | None = None, **engine_kwargs) -> "AsyncLLMEngine":
+    def from_engine_args(cls, max_queued_requests: int | None = None, step_timeout: float | None = None,
+                         **engine_kwargs) -> "AsyncLLMEngine":
         """Build the LLMEngine (``LLMEngine(**engine_kwargs)``) and wrap it."""
-        return cls(LLMEngine(**engine_kwargs), max_queued_requests=max_queued_requests)
+        return cls(LLMEngine(**engine_kwargs), max_queued_requests=max_queued_requests, step_timeout=step_timeout)
 
     # ------------------------------------------------------------------ callers
     async def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams | None,
@@ -139,16 +152,32 @@ class AsyncLLMEngine:
         return pending + len(self.engine.scheduler.waiting)
 
     async def get_stats(self) -> dict:
-        """The engine's get_stats(), taken on the engine's thread between two steps."""
-        if not self.is_running:
+        """The engine's get_stats() as the last step left it (at most ``Heartbeat.stats_interval``
+        old while steps run, exact when idle): it never waits for a step, or for a hung one."""
+        stats = self.heartbeat.stats
+        if stats is None or not self.is_running:
+            if self._dead is not None or self._stuck():
+                return dict(stats or {})
             return self.engine.get_stats()
-        return await asyncio.get_running_loop().run_in_executor(self._worker, self.engine.get_stats)
+        return dict(stats)
+
+    def health(self) -> str | None:
+        """None if the engine loop is alive; else why not (it stopped, or a step hangs)."""
+        if self._dead is not None:
+            return f"the engine loop has stopped: {self._dead}"
+        return self.heartbeat.problem()
 
     async def call_between_steps(self, fn, *args):
         """Run ``fn(*args)`` on the engine's thread between two steps (to read its state safely)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
         if not self.is_running:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    def _stuck(self) -> bool:
+        """A step is still running on the engine's thread (after the engine died: it hangs)."""
+        return self.heartbeat.step_running_for() is not None
 
     def warm_up(self, calculate_kv_scales: bool = False) -> float | None:
         """engine/warm_up.py's dummy passes, on the engine's own thread (where its steps, and
@@ -170,6 +199,8 @@ class AsyncLLMEngine:
     async def shutdown(self) -> None:
         """Abort every request (their blocks are freed) and stop the loop."""
         await self.abort_all()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._loop_task is not None:
             self._hand_over(("stop", None))
             try:
@@ -177,9 +208,16 @@ class AsyncLLMEngine:
             except asyncio.CancelledError:
                 pass
             self._loop_task = None
-        self._worker.shutdown(wait=True)
+        stuck = self._stuck()                         # a hung step: its thread cannot be joined
+        self._worker.shutdown(wait=not stuck, cancel_futures=True)
         self.engine.shutdown()                        # its workers too (Ray actors exit)
-        self._dead = EngineDeadError("the engine was shut down")
+        self._dead = self._dead or EngineDeadError("the engine was shut down")
+
+    @property
+    def thread_stuck(self) -> bool:
+        """After shutdown: the engine's thread is still inside a step that will not end (the
+        process can only leave with os._exit; serve does so)."""
+        return self._stuck()
 
     # ------------------------------------------------------------------ the loop
     def _start(self) -> None:
@@ -187,7 +225,10 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
         if self._loop_task is None or self._loop_task.done():
             self._wake = asyncio.Event()
+            self.heartbeat.set_stats(self.engine.get_stats())     # no step runs now
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            if self.heartbeat.step_timeout is not None and (self._watchdog is None or self._watchdog.done()):
+                self._watchdog = asyncio.get_running_loop().create_task(self._watch())
 
     def _hand_over(self, item: tuple) -> None:
         with self._pending_lock:
@@ -195,10 +236,9 @@ class AsyncLLMEngine:
         if self._wake is not None:
             self._wake.set()
 
-    def _apply_pending(self) -> bool:
-        """In the worker thread: queue the handed-over requests, apply aborts. False on "stop"."""
-        with self._pending_lock:
-            items, self._pending = self._pending, []
+    def _apply(self, items: list) -> bool:
+        """In the worker thread: queue the handed-over requests, apply aborts. False on "stop"
+        (then every request left is aborted)."""
         keep_running = True
         for kind, payload in items:
             if kind == "add":
@@ -207,20 +247,32 @@ class AsyncLLMEngine:
                 self.engine.abort_request(payload)
             else:
                 keep_running = False
+        if not keep_running:
+            for group in list(self.engine.groups.values()):
+                self.engine.abort_request(group.request_id)
         return keep_running
 
     def _step(self) -> tuple[bool, list[RequestOutput]]:
-        """In the worker thread: one engine step, after the pending requests and aborts."""
-        if not self._apply_pending():
-            for group in list(self.engine.groups.values()):
-                self.engine.abort_request(group.request_id)
-            return False, []
-        if not self.engine.has_unfinished_requests():
-            return True, []
-        outputs = self.engine.step()
-        if len({o.request_id for o in outputs}) > 1:
-            self.steps_with_several_requests += 1
-        return True, outputs
+        """In the worker thread: one engine step, after the pending requests and aborts,
+        between two beats of the heartbeat. False: stop the loop."""
+        self.heartbeat.begin()
+        ended = changed = False
+        try:
+            with self._pending_lock:
+                items, self._pending = self._pending, []
+            keep_running = self._apply(items)
+            outputs = []
+            if keep_running and self.engine.has_unfinished_requests():
+                outputs = self.engine.step()
+                if len({o.request_id for o in outputs}) > 1:
+                    self.steps_with_several_requests += 1
+            # the stats are copied at once when requests came, went or finished
+            changed = bool(items) or any(o.finished for o in outputs)
+            ended = True
+            return keep_running, outputs
+        finally:
+            self.heartbeat.end(self.engine.get_stats if ended else None,
+                               fresh=changed or not self.engine.has_unfinished_requests())
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -242,14 +294,35 @@ class AsyncLLMEngine:
                     return
                 await asyncio.sleep(0)                # let callers add requests between steps
         except Exception as err:  # noqa: BLE001 (a failed step: every caller hears of it)
-            logger.error("the engine loop stopped: %s: %s", type(err).__name__, err)
-            self._dead = err
-            for request_id, queue in list(self._queues.items()):
-                queue.put_nowait(EngineDeadError(f"the engine loop stopped: {type(err).__name__}: {err}"))
+            if self._dead is not None:                # the watchdog got there first
+                return
+            self._die(err)
             try:   # free every block: no request can be served any more
                 await loop.run_in_executor(self._worker, self._abort_everything)
             except Exception:  # noqa: BLE001
                 pass
+
+    def _die(self, err: BaseException) -> None:
+        """The engine cannot serve any more: tell every caller, and the listeners, once."""
+        logger.error("the engine loop stopped: %s: %s", type(err).__name__, err)
+        self._dead = err
+        for request_id, queue in list(self._queues.items()):
+            queue.put_nowait(EngineDeadError(f"the engine loop stopped: {type(err).__name__}: {err}"))
+        for listener in self.dead_listeners:
+            listener(err)
+
+    async def _watch(self) -> None:
+        """The watchdog: a step running past step_timeout kills the engine (its thread may
+        stay stuck in the step; nothing can stop a thread from outside)."""
+        period = min(1.0, self.heartbeat.step_timeout / 4)
+        while self._dead is None:
+            await asyncio.sleep(period)
+            problem = self.heartbeat.problem()
+            if problem is not None and self._dead is None:
+                self._die(EngineHungError(problem))
+                if self._loop_task is not None:
+                    self._loop_task.cancel()          # it waits on the hung step
+                return
 
     def _count(self, out: RequestOutput) -> None:
         """Output tokens per sample (deltas add up); tell the listeners when a request ends."""
@@ -310,6 +383,10 @@ class RequestStream:
             self.finished = True
             await self.engine.abort(self.request_id)
         self.engine._queues.pop(self.request_id, None)   # a finished one unread: drop its outputs
+
+
+class EngineHungError(RuntimeError):
+    """A step ran past the step timeout (a hung or lost worker); the engine counts as dead."""
 
 
 class QueueFullError(RuntimeError):

@@ -60,6 +60,23 @@ class InputProcessor:
         self.kv_allocator = kv_allocator   # "paged" or "contiguous" (reserves at admission)
         self.max_logprobs = max_logprobs   # most logprobs a request may ask for; -1: no cap
 
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """The longest text that could still fit in max_model_len - 1 tokens (None: no bound;
+        model/tokenizer.py chars_per_token_bound)."""
+        per_token = self.tokenizer.max_chars_per_token
+        return None if per_token is None else (self.max_model_len - 1) * per_token
+
+    def check_prompt_chars(self, chars: int, what: str = "the prompt") -> None:
+        """Refuse, before tokenizing it, a text too long to fit in any case: tokenizing 50 MB
+        takes most of a minute, and the answer is known from its length alone."""
+        limit = self.max_prompt_chars
+        if limit is not None and chars > limit:
+            raise RequestError(
+                f"{what} has {chars} characters: more than max_model_len={self.max_model_len} tokens can hold "
+                f"(a token of this model is at most {self.tokenizer.max_chars_per_token} characters, so at most "
+                f"{limit} characters fit in {self.max_model_len - 1} prompt tokens); shorten it")
+
     def tokenize(self, prompt) -> PromptInput:
         """Accept a str, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
 
@@ -78,6 +95,7 @@ class InputProcessor:
                 raise RequestError("a prompt dict needs a 'prompt' or a 'prompt_token_ids' key, got keys "
                                    f"{shown(sorted(map(str, prompt)))}")
         if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt))
             problem = unicode_problem(prompt)
             if problem is not None:
                 raise RequestError(f"the prompt is not valid Unicode text: {problem}")

@@ -16,9 +16,11 @@ from ..sampling_params import SamplingParams
 
 
 def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0,
-                     prefix_caching: bool = False) -> None:
+                     prefix_caching: bool = False, chunked_prefill: bool = False,
+                     max_num_batched_tokens: int | None = None) -> None:
     """Engine flags. ``prefix_caching=True`` (chat) turns the page cache on unless the
-    contiguous allocator, which has none, is chosen."""
+    contiguous allocator, which has none, is chosen; ``chunked_prefill=True`` (serve) turns
+    chunked prefill on, with ``max_num_batched_tokens`` the step's default token budget."""
     g = p.add_argument_group("engine")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None if prefix_caching else False,   # None: on, unless contiguous
@@ -45,8 +47,11 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
                    help="most sequences running in one batch")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
+    p.set_defaults(chunked_prefill_budget=max_num_batched_tokens)   # used only with chunked prefill on
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step (default: max(2048, max_num_seqs, max_model_len); "
+                   help=f"token budget of one step (default: {max_num_batched_tokens} with chunked prefill, else "
+                        "max(2048, max_num_seqs, max_model_len))" if max_num_batched_tokens is not None else
+                        "token budget of one step (default: max(2048, max_num_seqs, max_model_len); "
                         "with chunked prefill max(2048, max_num_seqs))")
     g.add_argument("--swap-space", type=float, default=4.0,
                    help="GiB of CPU memory for KV blocks swapped out by preemption")
@@ -55,8 +60,9 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
                         "drop them and recompute later, auto (swap unless short or the swap "
                         "space is full), or partial (demand paging: swap out only the blocks the "
                         "step lacks, its tail first)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
-                   help="split long prompts into chunks that share steps with running decodes")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=chunked_prefill,
+                   help="split long prompts into chunks that share steps with running decodes "
+                        f"(default {'on' if chunked_prefill else 'off'})")
     g.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps run per scheduling decision (multi-step scheduling)")
     g.add_argument("--kv-allocator", default="paged", choices=["paged", "contiguous"],
@@ -100,7 +106,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                 num_blocks=args.num_blocks, kv_cache_space=args.kv_cache_space,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                max_num_batched_tokens=args.max_num_batched_tokens, swap_space=args.swap_space,
+                max_num_batched_tokens=(args.max_num_batched_tokens if args.max_num_batched_tokens is not None
+                                        else max(args.chunked_prefill_budget, args.max_num_seqs)
+                                        if args.enable_chunked_prefill and args.chunked_prefill_budget else None),
+                swap_space=args.swap_space,
                 preemption_mode=args.preemption_mode,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 num_scheduler_steps=args.num_scheduler_steps, seed=args.seed,

@@ -17,6 +17,10 @@ from ..model.errors import ModelFetchError, ModelFormatError
 from ..model.fetch import DEFAULT_MODEL, KNOWN_MODELS
 from ..sampling_params import OutputKind
 from .args import add_engine_flags, add_sampling_flags, engine_kwargs, sampling_params, sampling_values
+from .http_limits import HTTPLimits
+
+SERVE_BATCHED_TOKENS = 512     # serve's step budget with chunked prefill (measured: docs/serving.md)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minipaged",
@@ -75,8 +79,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: no check)")
     serve.add_argument("--max-queued-requests", type=int, default=None,
                        help="answer 503 to new requests while this many wait (default: no limit)")
+    ops = serve.add_argument_group("liveness and limits", description="what an operator sets before the server "
+                                   "meets its users (docs/serving.md, 'Operating the server')")
+    ops.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
+                     help="an engine step running longer than this (a hung or lost worker) turns /health to 503 "
+                          "and ends the server with exit status 1; 0 turns it off (default 60, as vLLM's "
+                          "VLLM_ENGINE_ITERATION_TIMEOUT_S)")
+    ops.add_argument("--max-request-body-bytes", type=int, default=HTTPLimits.max_request_body_bytes, metavar="N",
+                     help="a larger request body is answered 413 before it is read "
+                          f"(default {HTTPLimits.max_request_body_bytes >> 20} MiB)")
+    ops.add_argument("--timeout-header-read", type=float, default=HTTPLimits.timeout_header_read, metavar="SECONDS",
+                     help="close a connection that has not sent a whole request head in this long "
+                          f"(slow-loris; default {HTTPLimits.timeout_header_read:g})")
+    ops.add_argument("--timeout-keep-alive", type=float, default=HTTPLimits.timeout_keep_alive, metavar="SECONDS",
+                     help=f"close an idle connection after this long between requests (uvicorn's; "
+                          f"default {HTTPLimits.timeout_keep_alive:g})")
+    ops.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
+                     help="answer 503 to requests beyond N open connections or tasks (uvicorn's; default: no cap)")
     # prefix caching on: multi-turn chats resubmit their history
-    add_engine_flags(serve, log_stats_interval=10.0, prefix_caching=True)
+    # chunked prefill on, as vLLM's server: a long prompt no longer freezes every stream for its
+    # whole prefill; the budget was measured (docs/serving.md, "Chunked prefill in the server")
+    add_engine_flags(serve, log_stats_interval=10.0, prefix_caching=True, chunked_prefill=True,
+                     max_num_batched_tokens=SERVE_BATCHED_TOKENS)
 
     from ..tools.bench import add_bench_parser  # noqa: PLC0415
 
@@ -95,8 +119,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kwargs["model"] = args.model_tag
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.step_timeout < 0:
+        raise ValueError(f"--step-timeout must be >= 0 seconds (0: off), got {args.step_timeout:g}")
+    limits = HTTPLimits(max_request_body_bytes=args.max_request_body_bytes,
+                        timeout_header_read=args.timeout_header_read, timeout_keep_alive=args.timeout_keep_alive,
+                        limit_concurrency=args.limit_concurrency)
     return serve(kwargs, host=args.host, port=args.port, served_model_name=args.served_model_name,
-                 api_key=args.api_key, max_queued_requests=args.max_queued_requests)
+                 api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+                 step_timeout=args.step_timeout or None, limits=limits)
 
 
 # --------------------------------------------------------------------------- commands
