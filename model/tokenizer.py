@@ -87,9 +87,9 @@ def _keeps_characters(pre_tokenizer: dict | None) -> bool:
         return True
     if pre_tokenizer.get("type") == "Sequence":
         return all(_keeps_characters(p) for p in pre_tokenizer.get("pretokenizers", []))
-    if pre_tokenizer.get("type") == "Split":
-        return pre_tokenizer.get("behavior") != "Removed"
-    return pre_tokenizer.get("type") in _KEEPING_PRE_TOKENIZERS
+    if str(pre_tokenizer.get("behavior", "")).lower() == "removed":   # Split, Punctuation: drop the match
+        return False
+    return pre_tokenizer.get("type") in _KEEPING_PRE_TOKENIZERS | {"Split"}
 
 
 def chars_per_token_bound(backend) -> int | None:
@@ -101,11 +101,15 @@ def chars_per_token_bound(backend) -> int | None:
     prompt can be refused by its length before it is tokenized. A normalizer that shortens
     text (NFC) multiplies L; one that may shorten it without bound (Strip), a pre-tokenizer
     that drops characters (Whitespace), or a model that maps a whole unknown word to one
-    token (WordPiece, WordLevel, fused unknowns) leaves no bound.
+    token (WordPiece, WordLevel, a Unigram or BPE fusing unknowns without byte fallback)
+    leaves no bound.
     """
     spec = json.loads(backend.to_str())
     model = spec.get("model", {})
-    if model.get("type") not in ("BPE", "Unigram") or (model.get("fuse_unk") and not model.get("byte_fallback")):
+    kind = model.get("type")
+    # Unigram always fuses a run of unknown characters into one token; BPE only with fuse_unk.
+    fuses_unknowns = kind == "Unigram" or model.get("fuse_unk")
+    if kind not in ("BPE", "Unigram") or (fuses_unknowns and not model.get("byte_fallback")):
         return None
     shrink = _shrink(spec.get("normalizer"))
     if shrink is None or not _keeps_characters(spec.get("pre_tokenizer")):

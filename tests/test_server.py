@@ -267,7 +267,10 @@ def test_a_dropped_connection_frees_its_blocks(long_model_dir):
         with httpx.stream("POST", f"{s.url}/completions", json={**LONG_BODY, "stream": True}, timeout=60) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: {"))
-            assert httpx.get(f"{s.base}/stats").json()["kv_blocks_used"] > 0     # in flight
+            deadline = time.monotonic() + 10                                    # in flight (the stats
+            while httpx.get(f"{s.base}/stats").json()["kv_blocks_used"] == 0:     # are copied every 0.25 s)
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
             r.close()                                   # hang up
         assert kv_blocks_used(s) == 0                   # aborted, blocks freed
         # not streaming: the client times out and goes away
@@ -453,6 +456,45 @@ def test_penalties_and_bias_through_the_server_equal_offline(client, offline):
     biased = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0.0,
                                        logit_bias={"70": 100}, extra_body={"ignore_eos": True})
     assert biased.choices[0].text == offline.get_tokenizer().decode([70] * 4)
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_beam_search_through_the_server_equals_offline_and_finishes_each_beam_once(client, offline, api):
+    """vLLM's use_beam_search (n beams, the n best back, ranked): the same beams as
+    LLM.beam_search, whole or streamed; a stream sends each beam's finish exactly once."""
+    from minipaged.engine.beam_search import BeamSearchParams
+
+    tokenizer = offline.get_tokenizer()
+    if api == "chat":
+        messages = [{"role": "user", "content": "Count: one two"}]
+        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    else:
+        prompt_ids = PROMPTS[2]
+    want = offline.beam_search([{"prompt_token_ids": prompt_ids}], BeamSearchParams(beam_width=3, max_tokens=8),
+                               use_tqdm=False)[0].sequences
+    want_texts = [tokenizer.decode(b.tokens[len(prompt_ids):], skip_special_tokens=True) for b in want]
+    extra = {"use_beam_search": True}
+    for stream in (False, True):
+        if api == "chat":
+            got = client.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=8, stream=stream,
+                                                 extra_body=extra)
+        else:
+            got = client.completions.create(model=MODEL, prompt=prompt_ids, n=3, max_tokens=8, stream=stream,
+                                            temperature=0.0, extra_body=extra)   # greedy: allowed
+        if not stream:
+            texts = [c.message.content if api == "chat" else c.text for c in got.choices]
+        else:
+            texts, finishes = ["", "", ""], [0, 0, 0]
+            for chunk in got:
+                for c in chunk.choices:
+                    texts[c.index] += (c.delta.content if api == "chat" else c.text) or ""
+                    finishes[c.index] += c.finish_reason is not None
+            assert finishes == [1, 1, 1]
+        assert texts == want_texts
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=prompt_ids, n=2, max_tokens=4, stop=["x"],
+                                  extra_body=extra)
+    assert err.value.body["param"] == "stop" and "use_beam_search" in err.value.body["message"]
 
 
 def test_echo_with_logprobs_scores_the_prompt(client, offline):

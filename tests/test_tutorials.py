@@ -274,3 +274,17 @@ def test_t20_choosing_an_engine_by_timing():
         assert "oneMKL is not installed here" in out
     assert re.search(r"cpu_gemm='numba'  (single-stream decode|batched decode|prefill) numba x \d+", out)
     assert "the same greedy tokens from every engine:" in out
+
+
+def test_t21_operating_the_server():
+    out = run_tutorial("21_operating_the_server.py")
+    assert re.search(r"2\. A [\d.]+ MB body: 413 in [\d.]+ s", out)
+    assert "3. A 750,000-character prompt (a 0.75 MB body, under the limit): 400, before tokenizing:" in out
+    assert "the prompt has 750000 characters" in out and "at most 81 characters" in out
+    assert re.search(r"100,000 characters, under the bound: tokenized .*, then 400:\n.*the prompt has \d+ tokens", out)
+    assert re.search(r"4\. A slow-loris connection .* after [\d.]+ s the server sent 'HTTP/1.1 408 Request Timeout'", out)
+    assert re.search(r"/health 200, \d+ requests running", out)
+    assert "SIGTERM (a supervisor stopping a healthy server): exit 0" in out
+    assert "the request got EngineDeadError" in out and "step timeout of 1 s" in out
+    assert "health(): an engine step has run for" in out or "health(): the engine loop has stopped" in out
+    assert "the dead-engine listeners heard it once: EngineHungError" in out

@@ -4,6 +4,8 @@
     llm.py               LLM: generate / chat / beam_search, vLLM's offline API over one LLMEngine
     async_llm_engine.py  AsyncLLMEngine: one engine loop shared by many concurrent callers (the server's)
     warm_up.py           paging in the hot code at boot: dummy forward passes before the first request
+    liveness.py          the hung-task watchdog's trace: each step's heartbeat and the stats copied
+                         between steps, read by /health and /stats without waiting on the engine
     input_processor.py   a request checked in full before it is queued (exec()'s checks): RequestError
     backend.py           the hardware abstraction layer: picks the device and the kernel namespace
     linear_calibration.py  the boot-time benchmark: each kind of step's linear-layer engine (ours

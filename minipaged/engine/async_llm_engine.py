@@ -72,6 +72,7 @@ class AsyncLLMEngine:
         self._watchdog: asyncio.Task | None = None        # declares the engine dead past step_timeout
         # called as fn(error) once, on the event loop, when the engine dies (the server exits)
         self.dead_listeners: list = []
+        self._between: set = set()                        # call_between_steps futures waiting for the thread
 
     @classmethod
     def from_engine_args(cls, max_queued_requests: int | None = None, step_timeout: float | None = None,
@@ -100,6 +101,8 @@ class AsyncLLMEngine:
         # engine's thread, which may be stepping.
         group = await asyncio.get_running_loop().run_in_executor(
             None, self._make_group, request_id, prompt, params)
+        if self._dead is not None:        # the engine died while this one was tokenized
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
         if request_id in self._queues:    # the same id arrived while this one was tokenized
             raise RequestError(f"request id {request_id!r} is already in use")
         asked = getattr(params, "max_tokens", None)
@@ -173,7 +176,16 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
         if not self.is_running:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        future = asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        self._between.add(future)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self._dead is not None and future.cancelled():   # cancelled by _die: a 503, not a hang
+                raise EngineDeadError(f"the engine loop has stopped: {self._dead}") from None
+            raise
+        finally:
+            self._between.discard(future)
 
     def _stuck(self) -> bool:
         """A step is still running on the engine's thread (after the engine died: it hangs)."""
@@ -203,10 +215,10 @@ class AsyncLLMEngine:
             self._watchdog.cancel()
         if self._loop_task is not None:
             self._hand_over(("stop", None))
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
+            # a step that hangs (before the watchdog saw it) must not hold the shutdown for ever
+            done, _ = await asyncio.wait({self._loop_task}, timeout=self.heartbeat.step_timeout)
+            if not done:
+                self._loop_task.cancel()
             self._loop_task = None
         stuck = self._stuck()                         # a hung step: its thread cannot be joined
         self._worker.shutdown(wait=not stuck, cancel_futures=True)
@@ -256,7 +268,7 @@ class AsyncLLMEngine:
         """In the worker thread: one engine step, after the pending requests and aborts,
         between two beats of the heartbeat. False: stop the loop."""
         self.heartbeat.begin()
-        ended = changed = False
+        ended = False
         try:
             with self._pending_lock:
                 items, self._pending = self._pending, []
@@ -266,13 +278,11 @@ class AsyncLLMEngine:
                 outputs = self.engine.step()
                 if len({o.request_id for o in outputs}) > 1:
                     self.steps_with_several_requests += 1
-            # the stats are copied at once when requests came, went or finished
-            changed = bool(items) or any(o.finished for o in outputs)
             ended = True
             return keep_running, outputs
         finally:
             self.heartbeat.end(self.engine.get_stats if ended else None,
-                               fresh=changed or not self.engine.has_unfinished_requests())
+                               fresh=ended and not self.engine.has_unfinished_requests())
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -308,6 +318,8 @@ class AsyncLLMEngine:
         self._dead = err
         for request_id, queue in list(self._queues.items()):
             queue.put_nowait(EngineDeadError(f"the engine loop stopped: {type(err).__name__}: {err}"))
+        for future in list(self._between):            # /kv waiting behind a hung step
+            future.cancel()
         for listener in self.dead_listeners:
             listener(err)
 

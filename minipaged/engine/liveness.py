@@ -9,12 +9,14 @@ Everything that must answer while a step runs, or while it hangs (``/health``,
 
     beat.begin()                     # the engine's thread, before a step
     beat.end(take_stats, fresh)      # after it: the stats are copied every ``stats_interval``
-                                     # s, and at once when ``fresh`` (requests came or went,
-                                     # or the engine is idle), so they are exact at rest
+                                     # s, and at once when ``fresh`` (the engine is idle), so
+                                     # the queues and blocks they show are exact at rest
     beat.problem()                   # anyone: None, or why the loop counts as hung
 
 A step that runs past ``step_timeout`` seconds makes ``problem()`` say so; the async
-engine's watchdog then declares the engine dead (engine/async_llm_engine.py).
+engine's watchdog then declares the engine dead (engine/async_llm_engine.py). The loop's
+first step may take ``FIRST_STEP_ALLOWANCE`` times as long: it can compile kernel variants
+the warm-up did not meet (or all of them, when the warm-up was skipped).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import time
 
 
 class Heartbeat:
-    def __init__(self, step_timeout: float | None = None, stats_interval: float = 0.05) -> None:
+    FIRST_STEP_ALLOWANCE = 10     # the first step's timeout is this many step timeouts
+
+    def __init__(self, step_timeout: float | None = None, stats_interval: float = 0.25) -> None:
         if step_timeout is not None and not (isinstance(step_timeout, (int, float))
                                              and not isinstance(step_timeout, bool) and step_timeout > 0):
             raise ValueError(f"step_timeout must be a positive number of seconds or None, got {step_timeout!r}")
@@ -41,9 +45,9 @@ class Heartbeat:
             self._step_started = time.monotonic()
 
     def end(self, take_stats, fresh: bool) -> None:
-        """A step ended; copy the stats (``take_stats()``) if the copy is old, or ``fresh``
-        asks for it (requests came, went or finished, or the engine is idle). ``take_stats``
-        None: the step failed, and the engine's state is not worth copying."""
+        """A step ended; copy the stats (``take_stats()``, a millisecond or two with long
+        latency windows) if the copy is old, or ``fresh`` asks for it (the engine is idle).
+        ``take_stats`` None: the step failed, and the engine's state is not worth copying."""
         now = time.monotonic()
         due = fresh or now - self._stats_taken >= self.stats_interval
         stats = take_stats() if take_stats is not None and due else None
@@ -72,7 +76,11 @@ class Heartbeat:
     def problem(self) -> str | None:
         """Why the loop counts as hung (a step past the timeout), or None."""
         running = self.step_running_for()
-        if self.step_timeout is None or running is None or running <= self.step_timeout:
+        if self.step_timeout is None or running is None:
+            return None
+        limit = self.step_timeout * (1 if self.steps else self.FIRST_STEP_ALLOWANCE)
+        if running <= limit:
             return None
         return (f"an engine step has run for {running:.1f} s, more than the step timeout of "
-                f"{self.step_timeout:g} s (serve --step-timeout): a worker is hung or lost")
+                f"{limit:g} s (serve --step-timeout{'' if self.steps else ', x' + str(self.FIRST_STEP_ALLOWANCE) + ' for the first step'}): "
+                "a worker is hung or lost")

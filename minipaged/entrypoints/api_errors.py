@@ -41,7 +41,11 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
 
 
 def field_of(message: str, fields) -> str | None:
-    """The request field an engine error message names, if any (for the error's ``param``)."""
+    """The request field an engine error message names, if any (for the error's ``param``): the
+    one it starts with, else the longest it names."""
+    first = re.match(r"[A-Za-z_]+", message)
+    if first is not None and first.group() in fields:
+        return first.group()
     for name in sorted(fields, key=len, reverse=True):
         if re.search(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])", message):
             return name

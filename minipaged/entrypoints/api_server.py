@@ -101,9 +101,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     metrics = ServerMetrics(served_model_name)
     engine.finished_listeners.append(metrics.observe_finished)
 
-    if api_key is not None:
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes,
+                       read_timeout=limits.timeout_header_read)
+    if api_key is not None:           # the outermost: no body is read for a client without the key
         app.add_middleware(APIKeyCheck, api_key=api_key)
-    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)   # the outermost
     install_error_handlers(app)
 
     @app.get("/health")
@@ -212,10 +213,12 @@ class Server:
                                              **(limits or HTTPLimits()).uvicorn_limits()))
 
     def on_engine_death(self, err: BaseException) -> None:
-        """The engine cannot serve any more: stop accepting, let the 503s go out, exit."""
+        """The engine cannot serve any more: stop accepting, let the 503s go out, exit (and
+        a few seconds later stop waiting for connections that still hang on)."""
         self.engine_died = err
         if self.loop is not None:
             self.loop.call_later(self.grace, setattr, self.server, "should_exit", True)
+            self.loop.call_later(self.grace + 5.0, setattr, self.server, "force_exit", True)
 
     def abort_in_flight(self) -> None:
         self.aborted += len(self.engine._queues)

@@ -7,11 +7,16 @@ a request costs anything:
 
 - ``BodySizeLimit``: a request body over ``max_bytes`` is answered 413 at once, from its
   Content-Length header when it sends one (nothing is read), else as soon as the bytes read
-  pass the limit. A 50 MB prompt never reaches the JSON parser or the tokenizer.
+  pass the limit. A 50 MB prompt never reaches the JSON parser or the tokenizer. The rest of
+  the body is read and dropped (uvicorn's lingering read: closing at once would reset a
+  client still sending, which would never see the 413), for as long as the header timer allows. A body whose next piece does not come within ``read_timeout`` seconds is
+  a 408 (a slow upload holds a connection as long as a slow head would).
 - ``header_timeout_protocol``: a connection that has not sent a whole request head within
   ``seconds`` of opening (or of its previous answer) is closed: the slow-loris attack holds
   connections open by sending a header line now and then. uvicorn has no such timer; this
-  is its own h11 protocol with one added.
+  is its own h11 protocol with one added. The same timer closes a connection whose answer
+  went out while its body never finished (after an early 413, say), and an idle keep-alive
+  connection, if uvicorn's keep-alive timer has not closed it first.
 - uvicorn's own ``timeout_keep_alive`` (an idle connection between requests) and
   ``limit_concurrency`` (more connections or tasks than this get a 503) are passed through
   as they are (``uvicorn_limits``).
@@ -31,7 +36,7 @@ class HTTPLimits:
     no web package at the top, so that the command line can show these defaults without one."""
 
     max_request_body_bytes: int = 16 * MIB   # larger bodies are a 413
-    timeout_header_read: float = 15.0        # seconds to send a whole request head
+    timeout_header_read: float = 15.0        # seconds to send a whole request head (and each piece of a body)
     timeout_keep_alive: float = 5.0          # seconds an idle connection is kept between requests (uvicorn's)
     limit_concurrency: int | None = None     # connections + tasks beyond this get a 503 (uvicorn's); None: no cap
 
@@ -60,15 +65,23 @@ class BodySizeLimit:
     still hear of a disconnect.
     """
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, read_timeout: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout = read_timeout
 
-    def too_large(self, size: str):
+    async def refuse(self, status: int, message: str, code: str, scope, receive, send, close: bool = False) -> None:
+        """Answer now, before the body is read (and with ``close``, close the connection)."""
         from .api_errors import APIError  # noqa: PLC0415 (FastAPI: the serve extra; cli.py reads HTTPLimits)
 
-        return APIError(413, f"the request body is {size}: more than this server's limit of {self.max_bytes} bytes "
-                             "(serve --max-request-body-bytes)", code="request_too_large")
+        response = APIError(status, message, code=code).response()
+        if close:
+            response.headers["connection"] = "close"
+        await response(scope, receive, send)
+
+    async def too_large(self, size: str, scope, receive, send) -> None:
+        await self.refuse(413, f"the request body is {size}: more than this server's limit of {self.max_bytes} "
+                               "bytes (serve --max-request-body-bytes)", "request_too_large", scope, receive, send)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
@@ -76,18 +89,24 @@ class BodySizeLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self.too_large(f"{int(declared)} bytes").response()(scope, receive, send)
+            await self.too_large(f"{int(declared)} bytes", scope, receive, send)
             return
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout)
+            except asyncio.TimeoutError:
+                await self.refuse(408, f"the request body stopped arriving: nothing for {self.read_timeout:g} s "
+                                       "(serve --timeout-header-read)", "request_timeout", scope, receive, send,
+                                  close=True)
+                return
             if message["type"] != "http.request":         # the client left while sending
                 await self.app(scope, _replay([message], receive), send)
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await self.too_large(f"over {self.max_bytes} bytes").response()(scope, receive, send)
+                await self.too_large(f"over {self.max_bytes} bytes", scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break
@@ -143,8 +162,15 @@ def header_timeout_protocol(seconds: float) -> type:
 
         def _head_too_slow(self) -> None:
             self._header_timer = None
-            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
-                return                               # a request is under way: its head came in time
+            if self.transport.is_closing():
+                return
+            if self.conn.their_state is not h11.IDLE:    # a request is under way: its head came in time
+                answered = self.cycle is not None and self.cycle.response_complete
+                if answered and self.conn.their_state is h11.SEND_BODY:
+                    self.transport.close()           # answered early (a 413), and the body never ended
+                else:
+                    self._arm()                      # look again later: the answer is being made
+                return
             if self._bytes_since_armed:
                 self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n"
                                      b"connection: close\r\n\r\n")

@@ -13,6 +13,7 @@ from typing import ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from ..engine.beam_search import BeamSearchParams
 from ..sampling_params import OutputKind, SamplingParams
 
 
@@ -51,14 +52,24 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
 
     prompt_logprobs: Union[int, None] = None          # vLLM's: log-probabilities of the prompt tokens
+    use_beam_search: bool = False                     # vLLM's: n beams; the n best come back, ranked
+    length_penalty: float = 1.0                       # beam search: score = logprob / length ** this
+
+    # Fields beam search has no use for: it ranks beams by the model's log-probabilities alone.
+    NOT_WITH_BEAMS: ClassVar[tuple[str, ...]] = (
+        "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+        "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "prompt_logprobs")
 
     # Sampling fields the model's generation_config.json may recommend; a request that does
     # not set one gets the recommendation (vLLM's --generation-config auto), else OpenAI's default.
     GENERATION_KEYS: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        generation_defaults: dict | None = None) -> SamplingParams:
-        """The engine's SamplingParams; a bad value raises ValueError naming the field."""
+                        generation_defaults: dict | None = None) -> SamplingParams | BeamSearchParams:
+        """The engine's SamplingParams (BeamSearchParams with ``use_beam_search``); a bad value
+        raises ValueError naming the field."""
+        if self.use_beam_search:
+            return self.beam_search_params(max_tokens, logprobs)
         chosen = {name: getattr(self, name) for name in self.GENERATION_KEYS}
         for name, value in (generation_defaults or {}).items():
             if name in chosen and name not in self.model_fields_set:
@@ -71,6 +82,21 @@ class SamplingFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             output_kind=OutputKind.DELTA if self.stream else OutputKind.FINAL_ONLY)
+
+    def beam_search_params(self, max_tokens: int, logprobs: int | None) -> BeamSearchParams:
+        """vLLM's ``use_beam_search``: ``n`` beams, the ``n`` best returned ranked, all at the
+        end (a stream sends each beam's text and finish once, when the search is done)."""
+        defaults = type(self).model_fields
+        for name in self.NOT_WITH_BEAMS:
+            value = getattr(self, name)
+            if name in self.model_fields_set and value != defaults[name].default and not (
+                    name == "temperature" and value == 0):           # greedy: what beams use anyway
+                raise ValueError(f"{name} cannot be used with use_beam_search: beam search ranks beams by the "
+                                 "model's log-probabilities alone")
+        if logprobs is not None:
+            raise ValueError("logprobs cannot be used with use_beam_search")
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                length_penalty=self.length_penalty)
 
     def token_logit_bias(self) -> dict[int, float] | None:
         """OpenAI's logit_bias has token ids as JSON strings ("50256": -100); the engine's, ints."""

@@ -115,29 +115,31 @@ class OpenAIServing:
 
 
     def conversation_ids(self, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
-        """The token ids of a conversation rendered by the chat template. One too long to fit
-        is refused by its characters before it is rendered, and again after (the template adds
-        some); a RequestError (a ValueError) either way. Run it off the event loop."""
-        check = self.input_processor.check_prompt_chars
-        check(sum(len(m["content"] or "") for m in conversation), "the conversation")
+        """The token ids of a conversation rendered by the chat template; one too long to fit is
+        refused by its characters once rendered (a template may trim or drop messages, so the
+        messages alone say nothing; the body limit bounds the rendering), before it is
+        tokenized: a RequestError (a ValueError). Run it off the event loop."""
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-        check(len(text), "the conversation, rendered by the chat template,")
+        self.input_processor.check_prompt_chars(len(text), "the conversation, rendered by the chat template,")
         return self.tokenizer.encode(text, add_special_tokens=False)   # the template wrote them as text
 
     # ------------------------------------------------------------------ /tokenize, /detokenize
     def tokenize(self, request: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: the ids and their count, whatever the length (a client counts the
+        tokens of a document this way); ``max_model_len`` says what would fit."""
         self.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if request.messages is not None:
             try:
-                ids = self.conversation_ids([{"role": m.role, "content": m.text()} for m in request.messages],
-                                            request.add_generation_prompt)
+                text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()}
+                                                           for m in request.messages],
+                                                          add_generation_prompt=request.add_generation_prompt)
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
             except (ValueError, TypeError) as err:
                 raise APIError(400, f"messages: {err}", param="messages") from None
         else:
             try:
-                self.input_processor.check_prompt_chars(len(request.prompt))
                 ids = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
             except (ValueError, TypeError) as err:
                 raise APIError(400, f"prompt: {err}", param="prompt") from None

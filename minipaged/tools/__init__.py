@@ -6,6 +6,7 @@
     report.py       the tables, the memory workload's figures and its plot
     bench_peers.py  the Hugging Face transformers peer, in a child process
     bench_serve.py  ``bench serve``: streaming HTTP clients with Poisson arrivals against the server
+    soak.py         the server under a bounded soak with faults: outcomes, latency percentiles, RSS, blocks held
     roofline.py     ``bench roofline``: the machine's matmul peak and read bandwidth, and each decode
                     and prefill step against its bound, with where the time goes
     quality.py      ``bench quality``: perplexity and golden agreement for each kv_cache_dtype

@@ -1,5 +1,5 @@
-"""``python -m minipaged.tools.soak``: the server under a bounded soak with faults, as an operator
-tries it before putting it in front of users.
+"""``python -m minipaged.tools.soak``: the server under a bounded soak with faults (a burn-in test,
+as hardware is burned in before it goes into service), as an operator tries it first.
 
 It starts ``python -m minipaged serve`` (with the flags after ``--``) on a free loopback port,
 then sends ``--requests`` requests, at most ``--concurrency`` in flight, through the official
