@@ -1,15 +1,18 @@
 """Boot: what must happen before anything else loads (the boot loader of the analogy).
 
-Two settings cannot wait for a module that needs them: the thread pools read their
-environment variables when they start, and numpy starts OpenBLAS's pool when it is
-first imported. So ``minipaged/__init__.py`` imports this module first, before any
+Three settings cannot wait for a module that needs them: the thread pools read their
+environment variables when they start, numpy starts OpenBLAS's pool when it is first
+imported, and Numba picks the directory of its disk cache when a kernel is decorated. So ``minipaged/__init__.py`` imports this module first, before any
 module that imports numpy, and it imports nothing but the standard library.
 It also sets up the ``minipaged`` logger.
 """
 
+import hashlib
+import importlib.util
 import logging
 import os
 import sys
+from pathlib import Path
 
 # BLAS (numpy's matmuls) and Numba (our kernels) each keep a pool of threads on
 # the same few cores, and each pool busy-waits after its work, stealing the cores
@@ -34,6 +37,55 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
     THREAD_ENV["NUMBA_THREADING_LAYER_PRIORITY"] = NUMBA_LAYERS
 THREAD_ENV = {k: v for k, v in THREAD_ENV.items() if k not in os.environ}  # the user's choice wins
 os.environ.update(THREAD_ENV)
+
+
+def kernel_cache_dir(kernels: Path, home: Path, keep: int = 4) -> Path:
+    """Where Numba caches the kernels' machine code: a directory named after a digest of every
+    kernel source (``kernels/*.py``), under ``home``; the ``keep`` most recently used others
+    stay, older ones are deleted.
+
+    Numba's own cache checks a kernel's file only: a kernel that inlines a function from
+    another file (cpu.py's from simd.py, say) kept its stale machine code after that file
+    changed. Keyed by all of them, any edit of a kernel source compiles afresh.
+    """
+    digest = hashlib.sha256()
+    for path in sorted(kernels.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    root = home / "numba"
+    here = root / digest.hexdigest()[:16]
+    try:
+        here.mkdir(parents=True, exist_ok=True)
+        os.utime(here)                              # used now: the newest
+        others = sorted((d for d in root.iterdir() if d.is_dir() and d != here),
+                        key=lambda d: d.stat().st_mtime, reverse=True)
+        for old in others[keep - 1:]:
+            for path in sorted(old.rglob("*"), reverse=True):    # files, then their folders
+                path.unlink() if path.is_file() else path.rmdir()
+            old.rmdir()
+    except OSError:                                 # unwritable, or another process pruning: fine
+        pass
+    return here
+
+
+# MINIPAGED_HOME, as model/fetch.py's cache_dir() reads it (this module imports no package).
+_HOME = Path(os.environ["MINIPAGED_HOME"]).expanduser() if os.environ.get("MINIPAGED_HOME") \
+    else Path.home() / ".cache" / "minipaged"
+
+
+def _kernels_dir() -> Path:
+    """minipaged.kernels' folder, found without importing it (``kernels/`` beside this package
+    in a source tree, ``minipaged/kernels/`` once installed)."""
+    try:
+        spec = importlib.util.find_spec("minipaged.kernels")
+        return Path(spec.submodule_search_locations[0])
+    except (ImportError, AttributeError, TypeError, IndexError, ValueError):
+        return Path(__file__).resolve().parent.parent / "kernels"
+
+
+if "NUMBA_CACHE_DIR" not in os.environ:             # the user's choice wins
+    os.environ["NUMBA_CACHE_DIR"] = str(kernel_cache_dir(_kernels_dir(), _HOME))
+    if "numba.core.config" in sys.modules:          # numba came first: have it read the variable again
+        sys.modules["numba.core.config"].reload_config()
 
 # One stderr line per notice ("[minipaged] no CUDA GPU found; running on the CPU");
 # MINIPAGED_LOG_LEVEL=WARNING silences them.

@@ -42,8 +42,8 @@ Run it:  python tutorials/19_one_kernel_per_step.py
 (MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
 
 Exercises (also printed at the end):
-  1. Set TASK_BYTES in kernels/persistent_decode.py to 16 KB, then to 4 MB (clear the
-     kernels' __pycache__ after each edit: Numba caches the kernel by its source file), and
+  1. Set TASK_BYTES in kernels/persistent_decode.py to 16 KB, then to 4 MB (each edit
+     compiles afresh: Numba's cache folder is named after every kernel source), and
      rerun step 4. Which costs more: claiming many small tasks, or the two threads finishing
      a product at different times?
   2. Set AHEAD_BYTES to 0, so that a polling thread only polls. How much slower is the step?

@@ -346,6 +346,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report here")
     args = p.parse_args(argv)
+    for name in ("requests", "concurrency", "max_seconds", "oversized_mb"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("drop_fraction", "bad_fraction", "long_fraction"):
+        if not 0 <= getattr(args, name) <= 1:
+            p.error(f"--{name.replace('_', '-')} must be between 0 and 1, got {getattr(args, name)}")
+    if args.greedy_checks < 0:
+        p.error(f"--greedy-checks must be >= 0, got {args.greedy_checks}")
     args.serve_args = serve_args
     soak = Soak(args)
     soak.start_server()
