@@ -159,7 +159,7 @@ class AsyncLLMEngine:
         old while steps run, exact when idle): it never waits for a step, or for a hung one."""
         stats = self.heartbeat.stats
         if stats is None or not self.is_running:
-            if self._dead is not None or self._stuck():
+            if self._dead is not None or self.thread_stuck:
                 return dict(stats or {})
             return self.engine.get_stats()
         return dict(stats)
@@ -186,10 +186,6 @@ class AsyncLLMEngine:
             raise
         finally:
             self._between.discard(future)
-
-    def _stuck(self) -> bool:
-        """A step is still running on the engine's thread (after the engine died: it hangs)."""
-        return self.heartbeat.step_running_for() is not None
 
     def warm_up(self, calculate_kv_scales: bool = False) -> float | None:
         """engine/warm_up.py's dummy passes, on the engine's own thread (where its steps, and
@@ -220,16 +216,16 @@ class AsyncLLMEngine:
             if not done:
                 self._loop_task.cancel()
             self._loop_task = None
-        stuck = self._stuck()                         # a hung step: its thread cannot be joined
+        stuck = self.thread_stuck                         # a hung step: its thread cannot be joined
         self._worker.shutdown(wait=not stuck, cancel_futures=True)
         self.engine.shutdown()                        # its workers too (Ray actors exit)
         self._dead = self._dead or EngineDeadError("the engine was shut down")
 
     @property
     def thread_stuck(self) -> bool:
-        """After shutdown: the engine's thread is still inside a step that will not end (the
-        process can only leave with os._exit; serve does so)."""
-        return self._stuck()
+        """A step is still running on the engine's thread; after the engine died, one that hangs
+        (the process can then only leave with os._exit; serve does so)."""
+        return self.heartbeat.step_running_for() is not None
 
     # ------------------------------------------------------------------ the loop
     def _start(self) -> None:

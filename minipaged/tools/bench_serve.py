@@ -47,11 +47,12 @@ def engine_flags(engine_kwargs: dict) -> list[str]:
 
 
 class ChildServer:
-    """``python -m minipaged serve --port 0`` with the given engine flags; the URL it prints."""
+    """``python -m minipaged serve --port 0`` with the given engine flags (and ``flags`` as they
+    are); the URL it prints. Its stderr goes to ``stderr`` (a file), or nowhere."""
 
-    def __init__(self, engine_kwargs: dict, timeout: float = 600) -> None:
-        cmd = [sys.executable, "-m", "minipaged", "serve", "--port", "0", *engine_flags(engine_kwargs)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    def __init__(self, engine_kwargs: dict, timeout: float = 600, flags: tuple = (), stderr=None) -> None:
+        cmd = [sys.executable, "-m", "minipaged", "serve", "--port", "0", *engine_flags(engine_kwargs), *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr or subprocess.DEVNULL, text=True)
         deadline = time.monotonic() + timeout
         self.base_url = None
         while time.monotonic() < deadline:
@@ -65,12 +66,14 @@ class ChildServer:
             self.proc.kill()
             raise RuntimeError("the server did not start (run `python -m minipaged serve` to see why)")
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """Ctrl-C, then its exit status (-9: it had to be killed after a minute)."""
         self.proc.send_signal(2)
         try:
-            self.proc.wait(timeout=60)
+            return self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            return -9
 
 
 async def one_request(client, url: str, model: str, prompt: list[int], output_len: int) -> dict:

@@ -29,12 +29,12 @@ import asyncio
 import json
 import random
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from .bench_serve import ChildServer
 from .measure import percentile
 
 # Bad requests: (endpoint, body or raw bytes, what it is). Each must be answered 4xx.
@@ -75,21 +75,12 @@ class Soak:
     # ------------------------------------------------------------------ the server
     def start_server(self) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="minipaged-soak-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "minipaged", "serve", "--port", "0", "--served-model-name", "soak",
-               *self.args.serve_args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        deadline = time.monotonic() + 900
-        self.base = None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            if " at http" in line:
-                self.base = line.split(" at ")[1].split()[0].removesuffix("/v1")
-                break
-        if self.base is None:
-            self.proc.kill()
-            raise RuntimeError(f"the server did not start: {Path(self.log.name).read_text()[-2000:]}")
+        try:
+            self.server = ChildServer({}, timeout=900, flags=("--served-model-name", "soak", *self.args.serve_args),
+                                      stderr=self.log)
+        except RuntimeError:
+            raise RuntimeError(f"the server did not start: {Path(self.log.name).read_text()[-2000:]}") from None
+        self.proc, self.base = self.server.proc, self.server.base_url
 
     def rss_mb(self) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -305,12 +296,7 @@ class Soak:
                 "kv_blocks_held_after": blocks, "problems": self.problems}
 
     def stop_server(self) -> int:
-        self.proc.send_signal(2)
-        try:
-            return self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return -9
+        return self.server.stop()
 
 
 def print_report(report: dict) -> None:
