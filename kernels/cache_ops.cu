@@ -16,7 +16,7 @@
 //   to one sequence, whose new tokens are consecutive positions). The run's first token leads
 //   it: thread i of its block walks the run (at most block_size tokens) for element i of the
 //   key row, widening the block's [min, max] in registers and storing them once; a run that
-//   starts at a block's first slot starts them afresh, as in kernels/cpu.py. Other tokens'
+//   starts at a block's first slot starts them afresh, as in kernels/fast/kv_write.py. Other tokens'
 //   thread blocks return at once, so no two threads ever write the same bounds.
 #include "common.cuh"
 

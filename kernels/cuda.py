@@ -1,4 +1,4 @@
-"""The GPU kernel namespace: the same ops as ``kernels/cpu.py``, launched from CUDA C sources.
+"""The CUDA tier: ``KernelOps`` (``kernels/ops.py``), launched from CUDA C sources.
 
 The host-side logic (which kernel, what grid, which partitions) lives in ``CudaOps``
 and is independent of where the kernels run: on a GPU the launchers come from
@@ -18,6 +18,7 @@ import numpy as np
 
 from .kv_quant import K_SCALE_CONSTANT, KV_FLOAT, V_SCALE_CONSTANT
 from .layout import AttentionMetadata, BlockBounds, KVQuant
+from .ops import ModelWeights
 
 KERNEL_DIR = Path(__file__).parent
 SOURCES = ("cache_ops.cu", "paged_attention.cu", "fused.cu")
@@ -38,9 +39,11 @@ class CudaAttentionPlan:
 
 
 class CudaOps:
-    """Kernel namespace for the model: ``xp``, ``linear``, ``rms_norm``, ``rotary``, ``silu_and_mul``,
-    ``write_kv``, ``calibrate_kv_scales``, ``plan_attention``, ``paged_attention``, ``swap_blocks``,
-    ``copy_blocks``."""
+    """The CUDA tier of ``KernelOps`` (``kernels/ops.py``): ``prepare``, ``plan_step``, ``linear``,
+    ``rms_norm``, ``rotary``, ``silu_and_mul``, ``write_kv``, ``calibrate_kv_scales``,
+    ``paged_attention``, ``swap_blocks``, ``copy_blocks``; ``decode_step`` always declines."""
+
+    name = "cuda"
 
     def __init__(self, xp, kernels, block_copy=None) -> None:
         self.xp = xp                 # cupy on a GPU, numpy in the CPU harness
@@ -91,16 +94,33 @@ class CudaOps:
         return quant.fmt, quant.k_scale, quant.v_scale
 
     def calibrate_kv_scales(self, k, v, quant: KVQuant) -> None:
-        """fp8's calculate_kv_scales, on the device (kernels/cpu.py's rule): the layer's scales
+        """fp8's calculate_kv_scales, on the device (the CPU tiers' rule): the layer's scales
         are max|k| / K_SCALE_CONSTANT and max|v| / V_SCALE_CONSTANT, 1.0 where all are 0."""
         xp = self.xp
         for x, scale, constant in ((k, quant.k_scale, K_SCALE_CONSTANT), (v, quant.v_scale, V_SCALE_CONSTANT)):
             top = xp.abs(x).max().astype(np.float64) if x.size else xp.zeros((), np.float64)
             scale[...] = xp.where(top > 0, top / constant, 1.0)   # no host round trip
 
+    # ------------------------------------------------------------------ weights, a step
+    def prepare(self, weights: ModelWeights) -> ModelWeights:
+        """The weights as they are: cuBLAS reads every linear weight in the checkpoint's layout."""
+        return weights
+
+    def weight_bytes(self, weights: ModelWeights) -> int:
+        return sum(int(a.nbytes) for a in weights.arrays())
+
+    def plan_step(self, weights: ModelWeights, meta: AttentionMetadata, kv_cache) -> CudaAttentionPlan:
+        """The step's attention plan. The block tables stay on the device: their ids are not read
+        back to be checked here (the block manager hands out only ids of the pool)."""
+        return self.plan_attention(meta)
+
+    def decode_step(self, *args, **kwargs):
+        """None: the GPU goes layer by layer (one launch a kernel)."""
+        return None
+
     # ------------------------------------------------------------------ attention
-    def plan_attention(self, meta: AttentionMetadata, gemm=None) -> CudaAttentionPlan:
-        """``gemm`` (the CPU's oneMKL) is ignored here, as ``linear``'s ``packed`` is."""
+    def plan_attention(self, meta: AttentionMetadata) -> CudaAttentionPlan:
+        """How the attention kernels split this batch: decode, split-K decode, or prefill tiles."""
         decode_only = meta.max_query_len == 1
         parts = 1
         if decode_only and meta.max_seq_len > SPLIT_K_ABOVE:
@@ -165,18 +185,9 @@ class CudaOps:
         return out
 
     # ------------------------------------------------------------------ matrix products
-    def pack_linear(self, w):
-        """None: cuBLAS reads every weight in the checkpoint's layout, so no second copy is made."""
-        return None
-
-    def pack_linears(self, weights):
-        """``pack_linear`` of each weight: None for every one."""
-        return [self.pack_linear(w) for w in weights]
-
-    def linear(self, x, w, packed=None):
+    def linear(self, x, w, plan=None):
         """x (T, in) times w (out, in) -> x @ w.T, (T, out): cuBLAS through CuPy, which reads
-        the transposed view in place (NumPy's BLAS in the harness). ``packed`` (a CPU-side
-        packed copy) is never made for a GPU model and is ignored."""
+        the transposed view in place (NumPy's BLAS in the harness)."""
         return x @ w.T
 
     # ------------------------------------------------------------------ fused elementwise

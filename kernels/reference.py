@@ -1,6 +1,6 @@
 """NumPy specs of every kernel: the slowest, plainest statement of what each must compute.
 
-They are the test oracle for the Numba CPU kernels (``kernels/cpu.py``) and
+They are the test oracle for the plain tier (``kernels/simple.py``), the fast tier (``kernels/fast/``) and
 for the CUDA kernels (``kernels/*.cu``, through the CPU harness and on a GPU). Each spec loops in the most obvious way and
 never shares code with the kernel it checks.
 """

@@ -25,7 +25,7 @@ from .engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSe
 from .engine.llm import LLM
 from .engine.llm_engine import LLMEngine
 from .engine.input_processor import RequestError
-from .engine.worker import WorkerError
+from .engine.parallel.worker import WorkerError
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import OutputKind, SamplingParams
 

@@ -41,16 +41,16 @@ os.environ.update(THREAD_ENV)
 
 def kernel_cache_dir(kernels: Path, home: Path, keep: int = 4) -> Path:
     """Where Numba caches the kernels' machine code: a directory named after a digest of every
-    kernel source (``kernels/*.py``), under ``home``; the ``keep`` most recently used others
+    kernel source (``kernels/**/*.py``), under ``home``; the ``keep`` most recently used others
     stay, older ones are deleted.
 
     Numba's own cache checks a kernel's file only: a kernel that inlines a function from
-    another file (cpu.py's from simd.py, say) kept its stale machine code after that file
+    another file (the attention kernels' from simd.py, say) kept its stale machine code after that file
     changed. Keyed by all of them, any edit of a kernel source compiles afresh.
     """
     digest = hashlib.sha256()
-    for path in sorted(kernels.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for path in sorted(kernels.rglob("*.py")):      # every tier's sources, kernels/fast/ included
+        digest.update(path.relative_to(kernels).as_posix().encode() + b"\0" + path.read_bytes())
     root = home / "numba"
     here = root / digest.hexdigest()[:16]
     try:

@@ -7,7 +7,8 @@ with a sentence that names it, never later inside a kernel.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 
 class ConfigError(ValueError):
@@ -113,7 +114,14 @@ class SchedulerConfig:
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16")   # bfloat16 weights are widened on load; no bf16 kernels
-CPU_GEMMS = ("auto", "mkl", "numba")      # the CPU's linear layers (kernels/packed_gemm.py)
+CPU_GEMMS = ("auto", "mkl", "numba")      # the fast tier's linear layers (kernels/fast/packed_gemm.py)
+KERNEL_TIERS = ("fast", "simple")         # the CPU's tiers of kernels (kernels/ops.py); a GPU runs CUDA's
+
+
+def default_kernels() -> str:
+    """The CPU's tier when none is asked for: $MINIPAGED_KERNELS (as vLLM's VLLM_ATTENTION_BACKEND
+    names a backend for every engine a process makes), else "fast"."""
+    return os.environ.get("MINIPAGED_KERNELS", "fast")
 
 
 @dataclass(frozen=True)
@@ -126,12 +134,18 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20   # most logprobs a request may ask for (vLLM's default); -1: no cap
     cpu_gemm: str = "auto"   # the CPU's linear layers: auto (each kind of step the engine timed faster here), mkl, numba
+    kernels: str = field(default_factory=default_kernels)   # the CPU's tier: "fast" (kernels/fast/) or "simple"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model must be a name or a path")
         _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.cpu_gemm in CPU_GEMMS, f"cpu_gemm must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
+        _require(self.kernels in KERNEL_TIERS, f"kernels must be one of {KERNEL_TIERS}, got {self.kernels!r}"
+                 + (" (from $MINIPAGED_KERNELS)" if self.kernels == os.environ.get("MINIPAGED_KERNELS") else ""))
+        _require(not (self.kernels == "simple" and self.cpu_gemm == "mkl"),
+                 "cpu_gemm='mkl' is an engine of the fast tier; kernels='simple' multiplies with numpy's BLAS "
+                 "(use kernels='fast', or leave cpu_gemm at 'auto')")
         _require(_is_int(self.seed) and self.seed >= 0,
                  f"seed must be a non-negative integer, got {self.seed!r}")
         # A cap, not a cost: each request's top-k is one partition of its logits row,

@@ -48,3 +48,26 @@ def reference(tiny_model_dir):
 def long_model_dir_for_soak(tmp_path_factory) -> Path:
     """The tiny model with a 2048-token context: the soak's prompts near the limit are long."""
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-2k"), max_position_embeddings=2048)
+
+
+# The engine-level suites run under both CPU tiers of kernels (kernels/ops.py): each of their tests
+# twice, [fast] and [simple], every engine the test makes given that tier through $MINIPAGED_KERNELS
+# (EngineConfig.kernels' default, as vLLM's VLLM_ATTENTION_BACKEND). A module-wide baseline (an
+# engine made once by a module fixture) stays on the default tier, the fast one: a [simple] test
+# then checks the plain tier against it. tests/test_tiers.py compares the tiers head to head.
+BOTH_TIERS = {"test_engine", "test_preemption", "test_sharing", "test_spec_decode", "test_kv_cache_dtype",
+              "test_demand_paging", "test_penalties", "test_distributed"}
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.module.__name__ in BOTH_TIERS and "kernels_tier" in metafunc.fixturenames:
+        metafunc.parametrize("kernels_tier", ["fast", "simple"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def kernels_tier(request, monkeypatch):
+    """The tier this test's engines run on (a BOTH_TIERS suite's parameter), else the default."""
+    tier = getattr(request, "param", None)
+    if tier is not None:
+        monkeypatch.setenv("MINIPAGED_KERNELS", tier)
+    return tier

@@ -162,3 +162,16 @@ def test_generate_split_over_workers_gives_the_same_tokens(tiny_model_dir):
     split = run_cli(*flags, "-tp", "2", "-pp", "2")
     assert one.returncode == 0 and split.returncode == 0, split.stderr
     assert json.loads(split.stdout)[0]["outputs"][0]["token_ids"] == json.loads(one.stdout)[0]["outputs"][0]["token_ids"]
+
+
+def test_kernels_flag_picks_the_tier(tiny_model_dir):
+    """``--kernels simple``: the plain tier generates the same greedy tokens the library's fast
+    tier does; a tier that does not exist is a usage error."""
+    result = run_cli("generate", "abc", "--model", str(tiny_model_dir), "--device", "cpu", "--max-tokens", "6",
+                     "--ignore-eos", "--temperature", "0", "--kernels", "simple", "--json")
+    assert result.returncode == 0, result.stderr
+    want = LLM(str(tiny_model_dir), device="cpu", kernels="fast").generate(
+        "abc", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert json.loads(result.stdout)[0]["outputs"][0]["token_ids"] == want
+    bad = run_cli("generate", "abc", "--model", str(tiny_model_dir), "--kernels", "turbo")
+    assert bad.returncode == 2 and "--kernels" in bad.stderr and "turbo" in bad.stderr

@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.kernels import cpu, cuda, kv_quant
+from minipaged.kernels import cuda, kv_quant
+from minipaged.kernels.fast import kv_write
+from minipaged.kernels.fast.ops import FastOps
 from minipaged.kernels import reference as spec
 from minipaged.kernels.kv_quant import KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8
 from minipaged.kernels.layout import AttentionMetadata, BlockBounds, KVQuant
@@ -245,28 +247,33 @@ class LockStep:
     the pools, scales and bounds, compared byte for byte with the Numba kernels' writes."""
 
     xp = np
+    name = "lock-step"
 
     def __init__(self, cuda_ops):
         self.cuda = cuda_ops
+        self.fast = FastOps()
         self.checked = {}                            # kernel name -> calls checked
 
     def _seen(self, name):
         self.checked[name] = self.checked.get(name, 0) + 1
 
-    def pack_linear(self, w):
-        return cpu.pack_linear(w)
+    def prepare(self, weights):
+        return self.fast.prepare(weights)            # the fast tier's copies; the CUDA side reads .weight
 
-    def pack_linears(self, weights):
-        return cpu.pack_linears(weights)
+    def weight_bytes(self, weights):
+        return self.fast.weight_bytes(weights)
 
-    def linear(self, x, w, packed=None):
-        want = cpu.linear(x, w, packed)
-        np.testing.assert_allclose(self.cuda.linear(x, w), want, rtol=1e-4, atol=1e-4 * np.sqrt(w.shape[1]))
+    def decode_step(self, *args, **kwargs):
+        return None                                  # layer by layer: every kernel checked
+
+    def linear(self, x, w, plan=None):
+        want = self.fast.linear(x, w, plan[0])
+        np.testing.assert_allclose(self.cuda.linear(x, w.weight), want, rtol=1e-4, atol=1e-4 * np.sqrt(w.shape[1]))
         self._seen("linear")
         return want
 
     def _same(self, name, *args):
-        want = getattr(cpu, name)(*args)
+        want = getattr(self.fast, name)(*args)
         np.testing.assert_allclose(getattr(self.cuda, name)(*args), want, rtol=1e-5, atol=1e-5)
         self._seen(name)
         return want
@@ -280,8 +287,8 @@ class LockStep:
     def silu_and_mul(self, gate_up):
         return self._same("silu_and_mul", gate_up)
 
-    def plan_attention(self, meta, gemm=None):
-        return cpu.plan_attention(meta, gemm), self.cuda.plan_attention(meta)
+    def plan_step(self, weights, meta, kv_cache):
+        return self.fast.plan_step(weights, meta, kv_cache), self.cuda.plan_step(weights, meta, kv_cache)
 
     @staticmethod
     def _copies(quant, bounds):
@@ -293,7 +300,7 @@ class LockStep:
     def calibrate_kv_scales(self, k, v, quant):
         theirs, _ = self._copies(quant, None)
         self.cuda.calibrate_kv_scales(k, v, theirs)
-        cpu.calibrate_kv_scales(k, v, quant)
+        kv_write.calibrate_kv_scales(k, v, quant)
         np.testing.assert_allclose(theirs.k_scale, quant.k_scale, rtol=1e-6)
         np.testing.assert_allclose(theirs.v_scale, quant.v_scale, rtol=1e-6)
         self._seen("calibrate_kv_scales")
@@ -302,7 +309,7 @@ class LockStep:
         caches = k_cache.copy(), v_cache.copy()
         theirs, their_bounds = self._copies(quant, bounds)
         self.cuda.write_kv(*caches, k, v, slot_mapping, theirs, their_bounds)
-        cpu.write_kv(k_cache, v_cache, k, v, slot_mapping, quant, bounds)
+        kv_write.write_kv(k_cache, v_cache, k, v, slot_mapping, quant, bounds)
         np.testing.assert_array_equal(caches[0], k_cache)          # the same bytes
         np.testing.assert_array_equal(caches[1], v_cache)
         if quant is not None:
@@ -315,7 +322,7 @@ class LockStep:
 
     def paged_attention(self, q, k_cache, v_cache, plan, scale, quant=None, bounds=None):
         ours, theirs = plan
-        want = cpu.paged_attention(q, k_cache, v_cache, ours, scale, quant, bounds)
+        want = self.fast.paged_attention(q, k_cache, v_cache, ours, scale, quant, bounds)
         got = self.cuda.paged_attention(q, k_cache, v_cache, theirs, scale, quant, bounds)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
         self._seen("paged_attention")

@@ -13,8 +13,8 @@ import pytest
 
 from minipaged import BeamSearchParams, LLMEngine
 from minipaged.config import ConfigError, ParallelConfig
-from minipaged.engine import executor as executor_module
-from minipaged.engine.executor import run_in_lock_step
+from minipaged.engine.parallel import executor as executor_module
+from minipaged.engine.parallel.executor import run_in_lock_step
 from minipaged.model.config import LlamaConfig
 from minipaged.model.sharding import ShardSpec, shard_config, shard_tensors, stage_layers
 from minipaged.model.random_llama import random_tensors, tiny_config, write_tiny_llama

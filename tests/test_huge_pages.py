@@ -11,9 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-from minipaged.kernels import cpu, reference
-from minipaged.kernels.huge_pages import ALIGN, HUGE_PAGE, Arena, huge_page_region, mapping_of
-from minipaged.kernels.panel_gemm import pack, panel_linear, panel_shape
+from minipaged.kernels import reference
+from minipaged.kernels.fast import linear as fast_linear
+from minipaged.kernels.fast.huge_pages import ALIGN, HUGE_PAGE, Arena, huge_page_region, mapping_of
+from minipaged.kernels.fast.panel_gemm import pack, panel_linear, panel_shape
 
 
 def test_region_is_zeroed_rounded_to_huge_pages_and_advised():
@@ -58,7 +59,7 @@ def test_panels_in_the_arena_are_the_panels_and_multiply_as_numpy():
     rng = np.random.default_rng(11)
     weights = [rng.standard_normal(shape, dtype=np.float32) for shape in ((40, 24), (17, 33), (96, 8))]
     weights.append(np.ones((4, 4), np.float16))                # not float32: no panels, no room
-    packed = cpu.pack_linears(weights)
+    packed = fast_linear.pack_linears(weights)
     assert packed[-1] is None
     for w, p in zip(weights, packed[:-1]):
         assert p.data.shape == panel_shape(*w.shape)
@@ -69,8 +70,8 @@ def test_panels_in_the_arena_are_the_panels_and_multiply_as_numpy():
                                        atol=1e-4 * np.sqrt(w.shape[1]))
     bases = [p.data.ctypes.data for p in packed[:-1]]
     assert bases == sorted(bases) and bases[-1] - bases[0] < HUGE_PAGE   # back to back in one region
-    assert cpu.pack_linears([]) == []
-    assert cpu.pack_linears([np.ones((4, 4), np.float16)]) == [None]   # no float32 weight: no region
+    assert fast_linear.pack_linears([]) == []
+    assert fast_linear.pack_linears([np.ones((4, 4), np.float16)]) == [None]   # no float32 weight: no region
 
 
 def test_pack_into_refuses_a_wrong_destination():

@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.kernels import cpu, kv_quant
+from minipaged.kernels import kv_quant
+from minipaged.kernels.fast import attention, kv_write
+from minipaged.kernels.fast.tuning import FastTuning
 from minipaged.kernels import reference as spec
 from minipaged.kernels.kv_quant import KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8
 from minipaged.kernels.layout import KVQuant
@@ -63,7 +65,7 @@ def test_write_kv_quantizes_as_the_spec_says(fmt, block_size, num_tokens):
     (ekc, evc), (eks, evs) = quant_pool(rng, fmt, num_blocks, heads, block_size, head_dim)
     if fmt != KV_INT8:
         eks[:], evs[:] = ks, vs
-    cpu.write_kv(kc, vc, k, v, slots, KVQuant(fmt, ks, vs))
+    kv_write.write_kv(kc, vc, k, v, slots, KVQuant(fmt, ks, vs))
     spec.write_kv(ekc, evc, k, v, slots, KVQuant(fmt, eks, evs))
     np.testing.assert_array_equal(kc, ekc)
     np.testing.assert_array_equal(vc, evc)
@@ -109,13 +111,9 @@ def test_paged_attention_over_compressed_blocks_matches_spec(case):
     (kc, vc), (ks, vs) = quant_pool(rng, fmt, num_blocks, num_kv_heads, block_size, head_dim)
     every_slot = np.arange(num_blocks * block_size, dtype=np.int64)
     tokens = lambda c: c.transpose(0, 2, 1, 3).reshape(-1, num_kv_heads, head_dim)   # noqa: E731
-    cpu.write_kv(kc, vc, tokens(k_float), tokens(v_float), every_slot, KVQuant(fmt, ks, vs))
-    saved = cpu.BLAS_MIN_QUERIES
-    cpu.BLAS_MIN_QUERIES = 1 if path == "blas" else 1 << 30
-    try:
-        got = cpu.paged_attention(q, kc, vc, meta, 1 / np.sqrt(head_dim), KVQuant(fmt, ks, vs))
-    finally:
-        cpu.BLAS_MIN_QUERIES = saved
+    kv_write.write_kv(kc, vc, tokens(k_float), tokens(v_float), every_slot, KVQuant(fmt, ks, vs))
+    plan = attention.plan_attention(meta, None, FastTuning(prompt_min_queries=1 if path == "blas" else 1 << 30))   # the Numba kernel, or BLAS
+    got = attention.paged_attention(q, kc, vc, plan, 1 / np.sqrt(head_dim), KVQuant(fmt, ks, vs))
     want = spec.paged_attention(q, spec.dequantize_kv(kc, fmt, ks), spec.dequantize_kv(vc, fmt, vs),
                                 meta.block_tables, meta.seq_lens, meta.query_start_loc, 1 / np.sqrt(head_dim))
     np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-4)

@@ -17,8 +17,10 @@ from minipaged import SamplingParams
 from minipaged.engine import linear_calibration
 from minipaged.engine.backend import Backend
 from minipaged.engine.linear_calibration import CalibrationCache, choose, settle_linear_paths
-from minipaged.kernels import cpu, packed_gemm, persistent_decode
-from minipaged.kernels.linear_paths import DECODE_MAX_ROWS, PATHS, STEP_KINDS, LinearPaths, step_kind
+from minipaged.kernels.fast import packed_gemm, persistent_decode
+from minipaged.kernels.fast.ops import FastOps
+from minipaged.kernels.fast.tuning import DEFAULT_TUNING
+from minipaged.kernels.fast.linear_paths import DECODE_MAX_ROWS, PATHS, STEP_KINDS, LinearPaths, step_kind
 from minipaged.model.config import LlamaConfig
 from minipaged.model.weights import load_checkpoint
 from tiny_model import make_llm, tiny_config, write_tiny_llama
@@ -38,7 +40,7 @@ needs_mkl = pytest.mark.skipif(GEMM is None, reason="oneMKL is not installed (pi
 def test_a_steps_kind_follows_from_its_rows():
     assert [step_kind(r) for r in (1, 2, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1)] == \
         ["single_decode", "batched_decode", "batched_decode", "prefill"]
-    assert DECODE_MAX_ROWS == cpu.PANEL_MAX_ROWS          # the panels' and the persistent kernel's limit
+    assert DECODE_MAX_ROWS == DEFAULT_TUNING.panel_max_rows          # the panels' and the persistent kernel's limit
     paths = LinearPaths(batched_decode="mkl")
     assert [paths.for_rows(r) for r in (1, 2, 128, 129)] == ["numba", "mkl", "mkl", "numba"]
     assert paths.used() == ("numba", "mkl") and LinearPaths.every("mkl").used() == ("mkl",)
@@ -75,7 +77,7 @@ class FakeGemm:
 
 def _auto_backend(gemm=None) -> Backend:
     """A CPU backend as select_backend makes it for cpu_gemm="auto" with oneMKL installed."""
-    return Backend("cpu", cpu, np.dtype(np.float32), gemm or FakeGemm(), "auto", None)
+    return Backend("cpu", FastOps(), np.dtype(np.float32), gemm or FakeGemm(), "auto", None)
 
 
 # a model of which oneMKL packs some weights (gate_up and down: 2**18 elements or more); the tiny
@@ -99,7 +101,7 @@ def test_auto_measures_once_per_machine_and_model_shape(wide_model_dir, tmp_path
 
     def fake_measure(config, tensors, ops, gemm):
         measured.append(config.hidden_size)
-        assert "model.embed_tokens.weight" in tensors and ops is cpu and isinstance(gemm, FakeGemm)
+        assert "model.embed_tokens.weight" in tensors and isinstance(ops, FastOps) and isinstance(gemm, FakeGemm)
         return SECONDS
 
     def settle(backend, config):
@@ -167,7 +169,7 @@ def test_the_timing_runs_every_kind_through_both_engines(wide_model_dir, monkeyp
     monkeypatch.setattr(persistent_decode, "run",
                         lambda *a: calls.__setitem__("persistent", calls["persistent"] + 1) or run(*a))
     config = LlamaConfig.from_dir(wide_model_dir)
-    seconds = linear_calibration.measure(config, load_checkpoint(wide_model_dir), cpu, GEMM, rounds=2)
+    seconds = linear_calibration.measure(config, load_checkpoint(wide_model_dir), FastOps(), GEMM, rounds=2)
     assert set(seconds) == set(STEP_KINDS)
     for kind in STEP_KINDS:
         assert set(seconds[kind]) == set(PATHS)
@@ -214,15 +216,16 @@ def test_auto_runs_what_this_machines_timing_chose(wide_model_dir, tmp_path, mon
     runs, real = [], persistent_decode.run
     monkeypatch.setattr(persistent_decode, "run", lambda *a: runs.append(a[2].shape[0]) or real(*a))
     llm = make_llm(wide_model_dir, num_blocks=64)
-    model = llm.llm_engine.model
-    assert model.linear_paths == timed and tuple(model.copies) == timed.used()
+    weights = llm.llm_engine.model.weights
+    assert llm.llm_engine.backend.ops.linear_paths == timed and weights.tier_state.paths_made == timed.used()
     if "mkl" in timed.used():                   # oneMKL's own copies of the weights it packs
-        assert isinstance(model.copies["mkl"].layers[0].gate_up, packed_gemm.PackedWeight)
+        assert isinstance(weights.layers[0].gate_up.mkl, packed_gemm.PackedWeight)
     assert (llm.llm_engine.backend.gemm is not None) == ("mkl" in timed.used())
     tokens = _generate(llm)
-    assert {kind for kind, _ in model.steps_by_path} == set(STEP_KINDS)
-    assert all(path == timed.for_kind(kind) for kind, path in model.steps_by_path)
-    decodes = sum(n for (kind, path), n in model.steps_by_path.items() if path == "numba" and kind != "prefill")
+    steps = weights.tier_state.steps_by_path
+    assert {kind for kind, _ in steps} == set(STEP_KINDS)
+    assert all(path == timed.for_kind(kind) for kind, path in steps)
+    decodes = sum(n for (kind, path), n in steps.items() if path == "numba" and kind != "prefill")
     assert len(runs) == decodes and (decodes > 0) == (timed.single_decode == "numba" or timed.batched_decode == "numba")
     assert tokens == _generate(make_llm(wide_model_dir, num_blocks=64, cpu_gemm="numba"))
 
@@ -242,17 +245,18 @@ def test_auto_on_an_intel_host_runs_the_persistent_kernel_where_ours_won(wide_mo
     runs, real = [], persistent_decode.run
     monkeypatch.setattr(persistent_decode, "run", lambda *a: runs.append(a[2].shape[0]) or real(*a))
     llm = make_llm(wide_model_dir, num_blocks=64)
-    assert llm.llm_engine.backend.gemm is None and llm.llm_engine.model.linear_paths == LinearPaths.every("numba")
+    assert llm.llm_engine.backend.gemm is None and llm.llm_engine.backend.ops.linear_paths == LinearPaths.every("numba")
     _generate(llm)
-    steps = llm.llm_engine.model.steps_by_path
+    steps = llm.llm_engine.model.weights.tier_state.steps_by_path
     assert len(runs) == steps["single_decode", "numba"] + steps["batched_decode", "numba"] > 0
 
 
 def test_a_draft_model_oneMKL_would_pack_nothing_runs_ours(tiny_model_dir):
-    from minipaged.engine.draft_model import DraftModel
+    from minipaged.engine.spec_decode.draft_model import DraftModel
     backend = dataclasses.replace(_auto_backend(), linear_paths=LinearPaths.every("mkl"))
     draft = DraftModel(tiny_model_dir, LlamaConfig.from_dir(tiny_model_dir), backend, 128, 64)
-    assert draft.model.linear_paths == LinearPaths.every("numba") and draft.model.persistent is not None
+    assert draft.model.ops.linear_paths == LinearPaths.every("numba")
+    assert draft.model.weights.tier_state.persistent is not None
 
 
 def test_without_onemkl_auto_is_our_kernels_unmeasured(wide_model_dir, monkeypatch):
@@ -263,7 +267,7 @@ def test_without_onemkl_auto_is_our_kernels_unmeasured(wide_model_dir, monkeypat
     runs, real = [], persistent_decode.run
     monkeypatch.setattr(persistent_decode, "run", lambda *a: runs.append(a[2].shape[0]) or real(*a))
     llm = make_llm(wide_model_dir, num_blocks=64)
-    assert llm.llm_engine.model.linear_paths == LinearPaths.every("numba") and llm.llm_engine.backend.gemm is None
+    assert llm.llm_engine.backend.ops.linear_paths == LinearPaths.every("numba") and llm.llm_engine.backend.gemm is None
     _generate(llm)
-    steps = llm.llm_engine.model.steps_by_path
+    steps = llm.llm_engine.model.weights.tier_state.steps_by_path
     assert len(runs) == steps["single_decode", "numba"] + steps["batched_decode", "numba"] > 0

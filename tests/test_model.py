@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from minipaged.kernels import cpu
+from minipaged.kernels.fast.ops import FastOps
 from minipaged.kernels.layout import AttentionMetadata, kv_cache_shape
 from minipaged.model.config import LlamaConfig
 from minipaged.model.fetch import ModelFormatError
@@ -19,7 +19,7 @@ from minipaged.model.weights import load_checkpoint, read_safetensors
 def load(model_dir):
     config = LlamaConfig.from_dir(model_dir)
     tensors = load_checkpoint(model_dir)
-    return config, LlamaModel(config, tensors, cpu), DenseReference(config, tensors)
+    return config, LlamaModel(config, tensors, FastOps()), DenseReference(config, tensors)
 
 
 @pytest.mark.parametrize("mlp_chunk", [None, 7])
@@ -96,4 +96,4 @@ def test_missing_tensor_is_named(tiny_model_dir):
     tensors = dict(load_checkpoint(tiny_model_dir))
     del tensors["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ModelFormatError, match="model.layers.1.mlp.up_proj.weight"):
-        LlamaModel(config, tensors, cpu)
+        LlamaModel(config, tensors, FastOps())

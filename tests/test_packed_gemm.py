@@ -5,10 +5,11 @@ import pytest
 
 from minipaged import SamplingParams
 from minipaged.config import ConfigError
-from minipaged.kernels import cpu
-from minipaged.kernels import packed_gemm
-from minipaged.kernels.linear_paths import LinearPaths
-from minipaged.kernels.panel_gemm import PanelWeight
+from minipaged.kernels.fast import attention, linear as fast_linear
+from minipaged.kernels.fast.tuning import DEFAULT_TUNING, FastTuning
+from minipaged.kernels.fast import packed_gemm
+from minipaged.kernels.fast.linear_paths import LinearPaths
+from minipaged.kernels.fast.panel_gemm import PanelWeight
 from attention_batches import random_batch
 from tiny_model import make_llm
 
@@ -46,10 +47,10 @@ def test_linear_takes_the_packed_copy_from_its_row_threshold(monkeypatch):
     calls = []
     real = packed_gemm.PackedGemm.matmul
     monkeypatch.setattr(packed_gemm.PackedGemm, "matmul", lambda self, x, pw: calls.append(len(x)) or real(self, x, pw))
-    for rows in (1, cpu.PACKED_MIN_ROWS, 9, 300):
+    for rows in (1, DEFAULT_TUNING.packed_min_rows, 9, 300):
         x = rng.standard_normal((rows, 32)).astype(np.float32)
-        np.testing.assert_allclose(cpu.linear(x, w, packed), x @ w.T, rtol=1e-4, atol=1e-4)
-    assert calls == [r for r in (1, cpu.PACKED_MIN_ROWS, 9, 300) if r >= cpu.PACKED_MIN_ROWS]
+        np.testing.assert_allclose(fast_linear.linear(x, w, packed), x @ w.T, rtol=1e-4, atol=1e-4)
+    assert calls == [r for r in (1, DEFAULT_TUNING.packed_min_rows, 9, 300) if r >= DEFAULT_TUNING.packed_min_rows]
     with pytest.raises(ValueError, match="does not fit"):
         packed.apply(np.ones((2, 31), np.float32))
     with pytest.raises(ValueError, match="float32 matrix"):
@@ -101,22 +102,23 @@ def test_greedy_tokens_are_the_same_through_mkl_and_numba(tiny_model_dir, monkey
     """The packed weights change no token: batched greedy decoding (products of 1 to 5 rows,
     and prefills, whose attention of 32 queries or more runs on MKL's sgemm too) through MKL
     equals the Numba panels and numpy's BLAS. (The tiny model's
-    weights are below the packing size, and 5 rows below MKL's row threshold: both lowered.)"""
-    monkeypatch.setattr(packed_gemm, "MIN_PACKED_ELEMENTS", 0)
-    monkeypatch.setattr(cpu, "PACKED_MIN_ROWS", 2)
+    weights are below the packing size, and 5 rows below MKL's row threshold: both lowered, through
+    the fast tier's FastTuning.)"""
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11], [12] * 40, [13, 14], [15, 16, 17, 18, 19],
                [(7 * i) % 90 + 3 for i in range(70)]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = {}
     for choice in ("numba", "mkl"):
-        llm = make_llm(tiny_model_dir, cpu_gemm=choice, num_blocks=64, max_model_len=128)
+        llm = make_llm(tiny_model_dir, cpu_gemm=choice, num_blocks=64, max_model_len=128,
+                       fast_tuning=FastTuning(packed_min_rows=2, min_packed_elements=0))
         engine = llm.llm_engine
         assert (engine.backend.gemm is None) == (choice == "numba")
-        assert engine.model.linear_paths == LinearPaths.every(choice) and list(engine.model.copies) == [choice]
+        weights = engine.model.weights
+        assert engine.backend.ops.linear_paths == LinearPaths.every(choice) and weights.tier_state.paths_made == (choice,)
         copy = PanelWeight if choice == "numba" else packed_gemm.PackedWeight   # the second copy's kind
-        assert isinstance(engine.model.copies[choice].layers[0].qkv, copy)
-        assert isinstance(engine.model.copies[choice].lm_head, copy)
-        assert (engine.model.gemm is None) == (choice == "numba")
+        assert isinstance(getattr(weights.layers[0].qkv, choice), copy)
+        assert isinstance(getattr(weights.lm_head, choice), copy)
+        assert (engine.backend.ops.gemm is None) == (choice == "numba")
         outputs[choice] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["mkl"] == outputs["numba"]
 
@@ -142,11 +144,11 @@ def test_prompt_attention_through_mkl_matches_the_spec(seqs):
 
     q, k_cache, v_cache, meta = random_batch(np.random.default_rng(len(seqs)), block_size=16, num_heads=9,
                                              num_kv_heads=3, head_dim=64, seqs=seqs)
-    plan = cpu.plan_attention(meta, GEMM)
+    plan = attention.plan_attention(meta, GEMM)
     assert len(plan.prompt_seqs) >= 1 and plan.gemm is GEMM
-    got = cpu.paged_attention(q, k_cache, v_cache, plan, 0.125)
+    got = attention.paged_attention(q, k_cache, v_cache, plan, 0.125)
     want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 0.125)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(got, cpu.paged_attention(q, k_cache, v_cache, cpu.plan_attention(meta), 0.125),
+    np.testing.assert_allclose(got, attention.paged_attention(q, k_cache, v_cache, attention.plan_attention(meta), 0.125),
                                rtol=1e-5, atol=1e-5)

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 from numba import njit
 
-from minipaged.kernels import cpu, reference
-from minipaged.kernels.panel_gemm import PANEL, TILE_ROWS, PanelWeight, pack, panel_linear
-from minipaged.kernels.simd import (LANES, LANES_ENV, REGISTERS, host_vector_shape, vadd, vbroadcast, vfma,
+from minipaged.kernels import reference
+from minipaged.kernels.fast import linear as fast_linear
+from minipaged.kernels.fast.tuning import DEFAULT_TUNING
+from minipaged.kernels.fast.panel_gemm import PANEL, TILE_ROWS, PanelWeight, pack, panel_linear
+from minipaged.kernels.fast.simd import (LANES, LANES_ENV, REGISTERS, host_vector_shape, vadd, vbroadcast, vfma,
                                     vload, vmax, vmax_lanes, vmul, vsplat, vstore, vsum, vzero)
 
 
@@ -97,18 +99,18 @@ def test_linear_multiplies_by_the_panels_up_to_their_limit(monkeypatch):
     answer is x @ w.T either way, strided or float64 rows included."""
     rng = np.random.default_rng(3)
     w = rng.standard_normal((40, 24), dtype=np.float32)               # (out, in)
-    packed = cpu.pack_linear(w)
+    packed = fast_linear.pack_linear(w)
     calls = []
     monkeypatch.setattr(PanelWeight, "apply", lambda self, x, t: calls.append(len(x)) or panel_linear(x, self, t))
-    for rows in (1, 5, cpu.SKINNY_MAX_ROWS + 1, cpu.PANEL_MAX_ROWS, cpu.PANEL_MAX_ROWS + 1, 300):
+    for rows in (1, 5, DEFAULT_TUNING.skinny_max_rows + 1, DEFAULT_TUNING.panel_max_rows, DEFAULT_TUNING.panel_max_rows + 1, 300):
         x = rng.standard_normal((rows, 24), dtype=np.float32)
-        np.testing.assert_allclose(cpu.linear(x, w, packed), x @ w.T, rtol=1e-4, atol=1e-4)
-    assert calls == [1, 5, cpu.SKINNY_MAX_ROWS + 1, cpu.PANEL_MAX_ROWS]
+        np.testing.assert_allclose(fast_linear.linear(x, w, packed), x @ w.T, rtol=1e-4, atol=1e-4)
+    assert calls == [1, 5, DEFAULT_TUNING.skinny_max_rows + 1, DEFAULT_TUNING.panel_max_rows]
     strided = rng.standard_normal((3, 48), dtype=np.float32)[:, ::2]   # a view, not contiguous
-    np.testing.assert_allclose(cpu.linear(strided, w, packed), strided @ w.T, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(fast_linear.linear(strided, w, packed), strided @ w.T, rtol=1e-4, atol=1e-4)
     x64 = rng.standard_normal((4, 24))                                 # float64 rows: BLAS, same answer
-    np.testing.assert_allclose(cpu.linear(x64, w, packed), x64 @ w.T.astype(np.float64), rtol=1e-6)
-    assert cpu.linear(np.empty((0, 24), np.float32), w, packed).shape == (0, 40)
+    np.testing.assert_allclose(fast_linear.linear(x64, w, packed), x64 @ w.T.astype(np.float64), rtol=1e-6)
+    assert fast_linear.linear(np.empty((0, 24), np.float32), w, packed).shape == (0, 40)
 
 
 def test_bad_weights_and_mismatched_copies_are_refused():
@@ -116,12 +118,12 @@ def test_bad_weights_and_mismatched_copies_are_refused():
         pack(np.ones((4, 4), np.float64))
     with pytest.raises(ValueError, match="float32 matrix"):
         pack(np.ones(16, np.float32))
-    assert cpu.pack_linear(np.ones((4, 4), np.float16)) is None        # not float32: no panels
+    assert fast_linear.pack_linear(np.ones((4, 4), np.float16)) is None        # not float32: no panels
     packed = pack(np.ones((8, 16), np.float32))
     with pytest.raises(ValueError, match="does not fit"):
         panel_linear(np.ones((2, 8), np.float32), packed, 2)
     with pytest.raises(ValueError, match="the packed copy is"):
-        cpu.linear(np.ones((2, 16), np.float32), np.ones((9, 16), np.float32), packed)
+        fast_linear.linear(np.ones((2, 16), np.float32), np.ones((9, 16), np.float32), packed)
 
 
 def test_panel_sums_lose_no_more_than_blas():
@@ -152,8 +154,8 @@ def test_the_register_shape_follows_the_cpu_and_the_override():
 _OTHER_WIDTH_CHECK = textwrap.dedent("""
     import numpy as np
     from minipaged.kernels import reference
-    from minipaged.kernels.panel_gemm import PANEL, TILE_ROWS, pack, panel_linear
-    from minipaged.kernels.simd import LANES
+    from minipaged.kernels.fast.panel_gemm import PANEL, TILE_ROWS, pack, panel_linear
+    from minipaged.kernels.fast.simd import LANES
     rng = np.random.default_rng(7)
     for n, k in ((960, 576), (100, 33), (40, 129)):
         w = (0.05 * rng.standard_normal((n, k))).astype(np.float32)
@@ -166,30 +168,30 @@ _OTHER_WIDTH_CHECK = textwrap.dedent("""
                                            rtol=1e-4, atol=1e-4 * np.sqrt(k))
     # paged attention's register kernel, built for this width: a whole register quad (64) and
     # single registers after the quads (48), decodes and a prompt chunk
-    from minipaged.kernels import cpu
+    from minipaged.kernels.fast import attention, elementwise, simd, linear as fast_linear
+    from minipaged.kernels.fast.tuning import DEFAULT_TUNING, FastTuning
     from minipaged.kernels.layout import AttentionMetadata
-    cpu.SPLIT_MIN_TOKENS = 8             # one long decode alone: cut into a slice per thread
     meta = AttentionMetadata(np.zeros(1, np.int64), np.array([0, 1], np.int32), np.array([70], np.int32),
                              np.array([[3, 0, 5, 1, 2]], np.int32), 1, 70)
     k_cache, v_cache = (rng.standard_normal((7, 2, 16, 64), dtype=np.float32) for _ in range(2))
     q = rng.standard_normal((1, 6, 64), dtype=np.float32)
     from numba import get_num_threads
-    assert len(cpu.plan_attention(meta).merges) == (1 if get_num_threads() > 1 else 0)
-    np.testing.assert_allclose(cpu.paged_attention(q, k_cache, v_cache, meta, 0.125),
+    plan = attention.plan_attention(meta, None, FastTuning(split_min_tokens=8))   # one long decode: a slice a thread
+    assert len(plan.merges) == (1 if get_num_threads() > 1 else 0)
+    np.testing.assert_allclose(attention.paged_attention(q, k_cache, v_cache, plan, 0.125),
                                reference.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                                          meta.query_start_loc, 0.125), atol=2e-5, rtol=1e-5)
-    cpu.SPLIT_MIN_TOKENS = 256
     for head_dim in (64, 48):
         tables = np.array([[3, 0, 5, 1, 2], [4, 6, -1, -1, -1]], np.int32)
         k_cache, v_cache = (rng.standard_normal((7, 2, 16, head_dim), dtype=np.float32) for _ in range(2))
         qsl, seq_lens = np.array([0, 1, 6], np.int32), np.array([70, 29], np.int32)
         q = rng.standard_normal((6, 6, head_dim), dtype=np.float32)
         meta = AttentionMetadata(np.zeros(6, np.int64), qsl, seq_lens, tables, 5, 70)
-        got = cpu.paged_attention(q, k_cache, v_cache, meta, 0.125)
+        got = attention.paged_attention(q, k_cache, v_cache, meta, 0.125)
         want = reference.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     # the prompt kernel at this width: a 70-token prompt (three query tiles), GQA groups of 3
-    from minipaged.kernels import prompt_attention
+    from minipaged.kernels.fast import prompt_attention
     k_cache, v_cache = (rng.standard_normal((7, 2, 16, 64), dtype=np.float32) for _ in range(2))
     q = rng.standard_normal((70, 6, 64), dtype=np.float32)
     table = np.array([3, 0, 5, 1, 2], np.int32)
@@ -201,10 +203,10 @@ _OTHER_WIDTH_CHECK = textwrap.dedent("""
     # a row's maximum in registers of this width (vmax, vmax_lanes), with a tail
     row = rng.standard_normal(4 * LANES * 3 + 5, dtype=np.float32)
     for n in (3, 4 * LANES, 4 * LANES * 3 + 5):
-        assert cpu._row_max(row, n) == row[:n].max()
+        assert elementwise.vector_max(row, n) == row[:n].max()
     logits = rng.standard_normal((3, 300), dtype=np.float32)            # the sampler's normaliser, on it
     want = np.log(np.exp(logits.astype(np.float64)).sum(axis=1))
-    np.testing.assert_allclose(cpu.logsumexp(logits), want, rtol=1e-5)
+    np.testing.assert_allclose(elementwise.logsumexp(logits), want, rtol=1e-5)
     print(LANES, PANEL, TILE_ROWS)
 """)
 

@@ -5,13 +5,19 @@ the persistent kernel must give the very same floats (logits and the K/V it writ
 each of its tasks calls the same kernels on the same values in the same order.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from numba import get_num_threads, njit, prange
 
-from minipaged.kernels import cpu, persistent_decode
-from minipaged.kernels.atomics import fetch_add, load_acquire, spin_pause
-from minipaged.kernels.borrowed import borrowed
+from minipaged.kernels.fast import layer_stack, persistent_decode
+from minipaged.kernels.fast import attention, ops as fast_ops
+from minipaged.kernels.fast.ops import FastOps
+from minipaged.kernels.ops import LayerWeights
+from minipaged.kernels.fast.tuning import DEFAULT_TUNING, FastTuning
+from minipaged.kernels.fast.atomics import fetch_add, load_acquire, spin_pause
+from minipaged.kernels.fast.borrowed import borrowed
 from minipaged.kernels.layout import AttentionMetadata, kv_cache_shape
 from minipaged.model.config import LlamaConfig
 from minipaged.model.llama import LlamaModel
@@ -85,7 +91,23 @@ def test_every_task_is_claimed_exactly_once_across_threads(tasks):
 def _model(seed=0, **shape):
     config = tiny_config(**shape)
     cfg = LlamaConfig.from_dict(config)
-    return cfg, LlamaModel(cfg, random_tensors(config, seed), cpu)
+    return cfg, LlamaModel(cfg, random_tensors(config, seed), FastOps())
+
+
+def _tune(model, **changes):
+    """The model's tier with these FastTuning fields changed (its prepared weights serve both)."""
+    model.ops = FastOps(dataclasses.replace(model.ops.tuning, **changes))
+
+
+def _stack(model):
+    """The persistent kernel's view of the model's layers (made by FastOps.prepare)."""
+    return model.weights.tier_state.persistent
+
+
+def _panels(model):
+    """Each layer with its linear weights' panels in their place (what ``layer_stack.stack`` reads)."""
+    return [LayerWeights(layer.input_norm, layer.qkv.numba, layer.o.numba, layer.post_norm, layer.gate_up.numba,
+                         layer.down.numba) for layer in model.weights.layers]
 
 
 def _prefill(cfg, model, prompt_len, block_size, rng):
@@ -135,19 +157,19 @@ SHAPES = [
 def test_a_single_sequence_step_gives_the_layer_by_layer_floats(monkeypatch, shape, block_size, split):
     """The same logits and the same K/V written, bit for bit, at contexts from 1 token up;
     ``split``: long contexts cut over the threads (split-K items, then merged)."""
-    monkeypatch.setattr(cpu, "SPLIT_MIN_TOKENS", 8 if split else 1 << 30)
     runs = _count_runs(monkeypatch)
     cfg, model = _model(seed=shape, **SHAPES[shape])
-    assert model.persistent is not None
+    _tune(model, split_min_tokens=8 if split else 1 << 30)
+    assert _stack(model) is not None
     rng = np.random.default_rng(shape + 10 * block_size)
     for prompt_len in (1, 7, 40, 130):
         kv, ids, positions, meta = _prefill(cfg, model, prompt_len, block_size, rng)
         kv_ref = kv.copy()
-        monkeypatch.setattr(cpu, "PERSISTENT_DECODE", False)
+        _tune(model, persistent_decode=False)
         expected = model.forward(ids, positions, kv_ref, meta, np.array([0]))
-        monkeypatch.setattr(cpu, "PERSISTENT_DECODE", True)
-        plan = cpu.plan_attention(meta)
-        assert persistent_decode.usable(model.persistent, 1, plan, kv, cpu.PANEL_MAX_ROWS)
+        _tune(model, persistent_decode=True)
+        plan = attention.plan_attention(meta, None, model.ops.tuning)
+        assert persistent_decode.usable(_stack(model), 1, plan, kv, DEFAULT_TUNING.panel_max_rows)
         assert len(plan.merges) == (split and get_num_threads() > 1 and prompt_len + 1 >= 8 * get_num_threads())
         got = model.forward(ids, positions, kv, meta, np.array([0]))
         np.testing.assert_array_equal(got, expected)        # the LM head's logits, made in the kernel
@@ -164,12 +186,12 @@ def test_the_step_completes_whatever_threads_run_it(num_threads):
     cfg, model = _model(seed=5, **SHAPES[2])
     rng = np.random.default_rng(3)
     kv, ids, positions, meta = _prefill(cfg, model, 50, 16, rng)
-    plan = cpu.plan_attention(meta)
-    hidden = model.embed[ids]
+    plan = attention.plan_attention(meta)
+    hidden = model.weights.embed[ids]
     kv_ref = kv.copy()
-    args = (plan, model.scale, cfg.rms_norm_eps, model.cos, model.sin, cfg.num_attention_heads)
-    expected = cpu.decode_layers(model.persistent, hidden, positions, kv_ref, *args, with_head=True)
-    got = cpu.decode_layers(model.persistent, hidden, positions, kv, *args, with_head=True, num_threads=num_threads)
+    args = (plan, model.scale, cfg.rms_norm_eps, model.rope.cos, model.rope.sin, cfg.num_attention_heads)
+    expected = fast_ops.decode_layers(_stack(model), hidden, positions, kv_ref, *args, with_head=True)
+    got = fast_ops.decode_layers(_stack(model), hidden, positions, kv, *args, with_head=True, num_threads=num_threads)
     np.testing.assert_array_equal(got[0], expected[0])      # the last layer's output
     np.testing.assert_array_equal(got[1], expected[1])      # the logits
     np.testing.assert_array_equal(kv, kv_ref)
@@ -180,14 +202,14 @@ def test_a_stage_without_the_head_returns_its_hidden_states():
     runs the layers and returns their output, the same floats as the layer-by-layer path."""
     cfg, model = _model(seed=4, **SHAPES[1])
     kv, ids, positions, meta = _prefill(cfg, model, 33, 16, np.random.default_rng(1))
-    headless = persistent_decode.stack(model.layers, model.copies["numba"].layers)
-    assert headless is not None and not headless.has_head and model.persistent.has_head
-    plan = cpu.plan_attention(meta)
+    headless = layer_stack.stack(_panels(model), _panels(model))
+    assert headless is not None and not headless.has_head and _stack(model).has_head
+    plan = model.ops.plan_step(model.weights, meta, kv)
     kv_ref = kv.copy()
     expected = llama_run_layers(model, ids, positions, kv_ref, meta, plan)
-    hidden, logits = cpu.decode_layers(headless, model.embed[ids], positions, kv, plan, model.scale,
-                                       cfg.rms_norm_eps, model.cos, model.sin, cfg.num_attention_heads,
-                                       with_head=True)
+    hidden, logits = fast_ops.decode_layers(headless, model.weights.embed[ids], positions, kv, plan.attention,
+                                            model.scale, cfg.rms_norm_eps, model.rope.cos, model.rope.sin,
+                                            cfg.num_attention_heads, with_head=True)
     assert logits is None
     np.testing.assert_array_equal(hidden, expected)
     np.testing.assert_array_equal(kv, kv_ref)
@@ -196,8 +218,7 @@ def test_a_stage_without_the_head_returns_its_hidden_states():
 def llama_run_layers(model, ids, positions, kv, meta, plan):
     """The layer-by-layer path's last layer output (model._layers, run to its end)."""
     from minipaged.model.llama import run_to_end
-    return run_to_end(model._layers(model.embed[ids], positions, kv, meta, plan, model.copies["numba"].layers,
-                                    None, None))
+    return run_to_end(model._layers(model.weights.embed[ids], positions, kv, meta, plan, None, None))
 
 
 def _batch(cfg, model, block_size, rng, chunks):
@@ -241,19 +262,17 @@ def test_a_step_of_several_sequences_gives_the_layer_by_layer_floats(monkeypatch
     prompt chunk beside decodes: the same
     logits, for every row and for a subset, and the same K/V written. ``threaded``: the
     layer-by-layer path runs its attention, norms, rotary, SiLU and KV writes on the thread pool."""
-    if threaded:
-        for threshold in ("ATTENTION_PARALLEL_MIN_WORK", "SILU_PARALLEL_MIN_ELEMENTS",
-                          "LIGHT_PARALLEL_MIN_ELEMENTS", "WRITE_KV_PARALLEL_MIN_TOKENS"):
-            monkeypatch.setattr(cpu, threshold, 0)
     cfg, model = _model(seed=7, **SHAPES[2])
+    threads = dict(attention_parallel_min_work=0, silu_parallel_min_elements=0, light_parallel_min_elements=0,
+                   write_kv_parallel_min_tokens=0) if threaded else {}
     kv, ids, positions, meta = _batch(cfg, model, 4, np.random.default_rng(len(chunks)), chunks)
     runs = _count_runs(monkeypatch)    # (after the prompts: the short ones ran as the kernel too)
     rows = np.arange(len(ids))
     for wanted in (rows, rows[np.cumsum(chunks) - 1]):    # every row; each sequence's last
         kv_ref, kv_got = kv.copy(), kv.copy()
-        monkeypatch.setattr(cpu, "PERSISTENT_DECODE", False)
+        _tune(model, persistent_decode=False, **threads)
         expected = model.forward(ids, positions, kv_ref, meta, wanted)
-        monkeypatch.setattr(cpu, "PERSISTENT_DECODE", True)
+        _tune(model, persistent_decode=True)
         got = model.forward(ids, positions, kv_got, meta, wanted)
         np.testing.assert_array_equal(got, expected)
         np.testing.assert_array_equal(kv_got, kv_ref)
@@ -267,19 +286,20 @@ def test_other_steps_go_layer_by_layer():
     runs its layers one kernel at a time."""
     cfg, model = _model(seed=1, **SHAPES[1])
     rng = np.random.default_rng(0)
-    args = (model.scale, cfg.rms_norm_eps, model.cos, model.sin, cfg.num_attention_heads)
+    args = (model.scale, cfg.rms_norm_eps, model.rope.cos, model.rope.sin, cfg.num_attention_heads)
 
     def declines(chunks, pool=None):
         kv, ids, positions, meta = _batch(cfg, model, 16, rng, chunks)
-        out = cpu.decode_layers(model.persistent, model.embed[ids], positions, kv if pool is None else pool(kv),
-                                cpu.plan_attention(meta), *args)
+        out = fast_ops.decode_layers(_stack(model), model.weights.embed[ids], positions,
+                                     kv if pool is None else pool(kv), attention.plan_attention(meta), *args)
         return out is None
 
-    assert not declines([1] * cpu.PANEL_MAX_ROWS)
-    assert declines([1] * (cpu.PANEL_MAX_ROWS + 1))
-    assert declines([cpu.BLAS_MIN_QUERIES])                  # a prompt: the prompt kernel's
+    assert not declines([1] * DEFAULT_TUNING.panel_max_rows)
+    assert declines([1] * (DEFAULT_TUNING.panel_max_rows + 1))
+    assert declines([DEFAULT_TUNING.prompt_min_queries])                  # a prompt: the prompt kernel's
     assert declines([1], pool=lambda kv: kv.astype(np.int8))
-    assert persistent_decode.stack(model.layers, [type(p)() for p in model.copies["numba"].layers]) is None
+    no_panels = [LayerWeights(layer.input_norm, None, None, layer.post_norm, None, None) for layer in _panels(model)]
+    assert layer_stack.stack(no_panels, no_panels) is None      # no panels (oneMKL's copies, a GPU)
 
 
 @pytest.mark.parametrize("n", [1, 2, 6])
@@ -292,8 +312,7 @@ def test_generation_is_unchanged_by_the_persistent_kernel(tiny_model_dir, monkey
     runs = _count_runs(monkeypatch)
     outputs = {}
     for on in (False, True):
-        monkeypatch.setattr(cpu, "PERSISTENT_DECODE", on)
-        llm = make_llm(tiny_model_dir, cpu_gemm="numba")
+        llm = make_llm(tiny_model_dir, cpu_gemm="numba", fast_tuning=FastTuning(persistent_decode=on))
         outputs[on] = [(c.token_ids, [sorted(lp.items()) for lp in c.logprobs])
                        for out in llm.generate(prompts, params) for c in out.outputs]
     assert outputs[True] == outputs[False]
@@ -305,13 +324,14 @@ import sys
 import numpy as np
 sys.path.insert(0, {tests!r})
 from test_persistent_decode import SHAPES, _batch, _model
-from minipaged.kernels import cpu
+from minipaged.kernels.fast.ops import FastOps
+from minipaged.kernels.fast.tuning import FastTuning
 
 # a nan in the hidden states (a broken checkpoint): the layer-by-layer attention raises
 # ZeroDivisionError on it; a task that raised would leave the other threads polling for ever
 cfg, model = _model(seed=3, **SHAPES[1])
 kv, ids, positions, meta = _batch(cfg, model, 16, np.random.default_rng(0), [1, 1])
-model.embed[ids[0], :] = np.nan
+model.weights.embed[ids[0], :] = np.nan
 try:
     model.forward(ids, positions, kv, meta, np.arange(2))
 except FloatingPointError as error:
@@ -320,9 +340,9 @@ except FloatingPointError as error:
 # may touch); the real rows do not
 cfg, model = _model(seed=3, rms_norm_eps=0.0, **SHAPES[1])
 kv, ids, positions, meta = _batch(cfg, model, 16, np.random.default_rng(1), [1, 1])
-cpu.PERSISTENT_DECODE = False
+model.ops = FastOps(FastTuning(persistent_decode=False))
 expected = model.forward(ids, positions, kv.copy(), meta, np.arange(2))
-cpu.PERSISTENT_DECODE = True
+model.ops = FastOps()
 print("eps 0 equal:", np.array_equal(model.forward(ids, positions, kv.copy(), meta, np.arange(2)), expected))
 """
 
@@ -340,3 +360,89 @@ def test_a_failing_step_raises_instead_of_hanging():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "raised: the decode step's hidden states came out nan or inf" in done.stdout
     assert "eps 0 equal: True" in done.stdout
+
+
+FAILING_TASK = """
+import sys
+import numpy as np
+from numba import njit
+sys.path.insert(0, {tests!r})
+from test_persistent_decode import SHAPES, _batch, _model, _stack
+from minipaged.kernels.fast import attention, ops as fast_ops, persistent_decode
+from minipaged.kernels.fast.tuning import QUERY_TILE
+
+@njit
+def attention_that_cannot_allocate(q, *rest):
+    scratch = np.empty(1 << 60, np.float32)     # more than any machine holds: MemoryError
+    scratch[0] = q[0, 0, 0]
+
+cfg, model = _model(seed=3, **SHAPES[1])
+kv, ids, positions, meta = _batch(cfg, model, 16, np.random.default_rng(0), [1, 1])
+kernel = fast_ops.persistent_kernel(1, cache=False, ATTENTION=attention_that_cannot_allocate)
+for threads in (1, 2, 3):
+    try:
+        persistent_decode.run(kernel, _stack(model), model.embed[ids], positions, kv, attention.plan_attention(meta),
+                              model.scale, cfg.rms_norm_eps, model.rope.cos, model.rope.sin,
+                              cfg.num_attention_heads, QUERY_TILE, threads, True)
+    except RuntimeError as error:
+        print(threads, "raised:", error)
+"""
+
+
+def test_a_task_that_fails_ends_the_step_with_an_error_not_a_hang():
+    """An attention task whose scratch cannot be allocated, inside the region: every thread leaves
+    (no thread polls for the task for ever) and the step raises, on one thread or several. In a
+    child process with a time limit: a hang fails the test instead of stopping the suite."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = FAILING_TASK.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if "raised:" in line]
+    assert len(lines) == 3 and all("one of its tasks failed" in line for line in lines), done.stdout
+
+
+def _escapes(source: str) -> list[str]:
+    """Where a view from ``borrowed(...)`` could outlive the call that borrowed it: a name bound to
+    one that is returned, yielded, stored into an attribute, an item or a container, or bound
+    anywhere but a plain local. ("function: line")"""
+    import ast
+
+    found = []
+    for fn in [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)]:
+        names = set()
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and any(isinstance(c, ast.Call) and getattr(c.func, "id", "") == "borrowed"
+                                                    for c in ast.walk(node.value)):
+                for target in node.targets:
+                    if not all(isinstance(t, ast.Name) for t in (target.elts if isinstance(target, ast.Tuple) else [target])):
+                        found.append(f"{fn.name}: {node.lineno} (stored)")
+                    names |= {t.id for t in ast.walk(target) if isinstance(t, ast.Name)}
+        for node in ast.walk(fn):
+            leaving = []
+            if isinstance(node, (ast.Return, ast.Yield, ast.YieldFrom)) and node.value is not None:
+                leaving = [node.value]
+            elif isinstance(node, ast.Assign) and any(not isinstance(t, (ast.Name, ast.Tuple)) for t in node.targets):
+                leaving = [node.value]                            # obj.attr = view, a[i] = view
+            elif isinstance(node, (ast.List, ast.Dict, ast.Set)):
+                leaving = [node]
+            if any(isinstance(n, ast.Name) and n.id in names for v in leaving for n in ast.walk(v)):
+                found.append(f"{fn.name}: {node.lineno}")
+    return found
+
+
+def test_borrowed_views_never_leave_the_function_that_borrowed_them():
+    """``borrowed`` views hold no reference: one that outlived its call could read freed memory.
+    Every use in the kernels keeps them to locals of the borrowing function, passed down only."""
+    from pathlib import Path
+
+    kernels = Path(__file__).resolve().parents[1] / "kernels"
+    users = [p for p in kernels.rglob("*.py") if "borrowed(" in p.read_text() and p.name != "borrowed.py"]
+    assert users, "no kernel borrows a view: the check checks nothing"
+    for path in users:
+        assert _escapes(path.read_text()) == [], path
+    # the check sees an escape where there is one
+    leaky = "def f(x):\n    v = borrowed(x)\n    return v\n\ndef g(x, box):\n    box.view = borrowed(x)\n"
+    assert _escapes(leaky) == ["f: 3", "g: 6 (stored)"]

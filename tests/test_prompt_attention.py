@@ -5,7 +5,9 @@ sends long query runs on a float32 cache to it (and the rest to BLAS)."""
 import numpy as np
 import pytest
 
-from minipaged.kernels import cpu, prompt_attention
+from minipaged.kernels.fast import prompt_attention
+from minipaged.kernels.fast import attention
+from minipaged.kernels.fast.tuning import FastTuning
 from minipaged.kernels import reference as spec
 from minipaged.kernels.kv_quant import KV_INT8
 from minipaged.kernels.layout import KVQuant
@@ -69,16 +71,15 @@ def test_long_query_runs_on_a_float_cache_take_the_prompt_kernel(monkeypatch):
     monkeypatch.setattr(prompt_attention, "prompt_attention", lambda q, *a: calls.append(len(q)) or real(q, *a))
     q, k_cache, v_cache, meta = random_batch(np.random.default_rng(5), block_size=16, num_heads=9, num_kv_heads=3,
                                              head_dim=64, seqs=[(40, 40), (1, 90), (100, 130)])
-    got = cpu.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    got = attention.paged_attention(q, k_cache, v_cache, meta, 0.125)
     want = spec.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     assert calls == [40, 100]
     calls.clear()
-    monkeypatch.setattr(cpu, "PROMPT_KERNEL", False)
-    np.testing.assert_allclose(cpu.paged_attention(q, k_cache, v_cache, meta, 0.125), want, atol=2e-5, rtol=1e-5)
+    blas = attention.plan_attention(meta, None, FastTuning(prompt_kernel=False))
+    np.testing.assert_allclose(attention.paged_attention(q, k_cache, v_cache, blas, 0.125), want, atol=2e-5, rtol=1e-5)
     assert calls == []
-    monkeypatch.setattr(cpu, "PROMPT_KERNEL", True)
     scales = np.ones((k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]), np.float32)
     int8 = np.clip(np.round(k_cache * 20), -127, 127).astype(np.int8)
-    cpu.paged_attention(q, int8, int8, meta, 0.125, KVQuant(KV_INT8, scales, scales))
+    attention.paged_attention(q, int8, int8, meta, 0.125, KVQuant(KV_INT8, scales, scales))
     assert calls == []

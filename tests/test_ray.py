@@ -19,7 +19,7 @@ import pytest
 
 from minipaged import WorkerError
 from minipaged.config import ConfigError
-from minipaged.engine import ray_executor
+from minipaged.engine.parallel import ray_executor
 from minipaged.model.errors import ModelFormatError
 from minipaged.model.random_llama import write_tiny_llama
 from parallel_workload import Run, assert_same_run, workload

@@ -20,9 +20,12 @@ import pytest
 
 from minipaged.entrypoints.args import engine_kwargs
 from minipaged.entrypoints.cli import build_parser
-from minipaged.kernels import cpu, packed_gemm, reference
-from minipaged.kernels.linear_paths import LinearPaths
-from minipaged.engine import thread_pools
+from minipaged.kernels import reference
+from minipaged.kernels.fast import packed_gemm
+from minipaged.kernels.fast import elementwise, linear as fast_linear
+from minipaged.kernels.fast.ops import FastOps
+from minipaged.kernels.fast.linear_paths import LinearPaths
+from minipaged.kernels.fast import thread_pools
 from minipaged.tools import bench, roofline
 
 
@@ -32,7 +35,7 @@ def test_linear_matches_the_spec_for_every_row_count(k, n):
     w = rng.standard_normal((n, k), dtype=np.float32)              # (out, in)
     for rows in range(1, 65):
         x = rng.standard_normal((rows, k), dtype=np.float32)       # (T, in)
-        got = cpu.linear(x, w)
+        got = fast_linear.linear(x, w)
         assert got.shape == (rows, n) and got.dtype == np.float32
         np.testing.assert_allclose(got, reference.linear(x, w), rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
@@ -43,17 +46,17 @@ def test_linear_matches_the_spec_at_smollm2_shapes(k, n):
     w = (0.05 * rng.standard_normal((n, k))).astype(np.float32)    # (out, in)
     for rows in (1, 2, 3, 4, 5, 8, 16, 17):
         x = rng.standard_normal((rows, k), dtype=np.float32)
-        np.testing.assert_allclose(cpu.linear(x, w), reference.linear(x, w), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(fast_linear.linear(x, w), reference.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
 def test_linear_of_strided_rows_and_empty_batches():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((24, 16), dtype=np.float32)             # (out, in)
     x = rng.standard_normal((3, 32), dtype=np.float32)[:, ::2]      # a view, not contiguous
-    np.testing.assert_allclose(cpu.linear(x, w), reference.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert cpu.linear(np.empty((0, 16), np.float32), w).shape == (0, 24)
+    np.testing.assert_allclose(fast_linear.linear(x, w), reference.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert fast_linear.linear(np.empty((0, 16), np.float32), w).shape == (0, 24)
     x64 = rng.standard_normal((4, 16))                               # float64 rows: BLAS, same answer
-    np.testing.assert_allclose(cpu.linear(x64, w), x64 @ w.T.astype(np.float64), rtol=1e-6)
+    np.testing.assert_allclose(fast_linear.linear(x64, w), x64 @ w.T.astype(np.float64), rtol=1e-6)
 
 
 def test_linear_refuses_shapes_that_do_not_fit():
@@ -61,14 +64,14 @@ def test_linear_refuses_shapes_that_do_not_fit():
     for x in (np.ones((2, 20), np.float32), np.ones((2, 8), np.float32), np.ones((70, 20), np.float32),
               np.ones(16, np.float32)):
         with pytest.raises(ValueError, match="do not fit"):
-            cpu.linear(x, w)
+            fast_linear.linear(x, w)
 
 
 def test_stream_sum_matches_the_spec():
     rng = np.random.default_rng(2)
     for n in (1, 17, 4096, 100_003):
         data = rng.random(n, dtype=np.float32)
-        assert cpu.stream_sum(data) == pytest.approx(reference.stream_sum(data), rel=1e-5)
+        assert elementwise.stream_sum(data) == pytest.approx(reference.stream_sum(data), rel=1e-5)
 
 
 def test_machine_probes_measure_something():
@@ -260,19 +263,21 @@ def test_roofline_says_when_the_pool_is_too_small(tiny_model_dir, tmp_path, monk
 
 
 def test_roofline_leaves_the_engine_whole(tiny_model_dir, tmp_path, monkeypatch):
-    """The profiler's wrappers come off again: the model's ops are the CPU kernels after it."""
+    """The profiler's wrappers come off again: the model's ops are the backend's tier after it."""
     seen = {}
     real = roofline.measure_prefill
 
     def spy(engine, *args, **kwargs):
         rows = real(engine, *args, **kwargs)
         seen["ops"], seen["sampler"] = engine.runner.model.ops, engine.sampler
+        seen["backend_ops"] = engine.backend.ops
         seen["unfinished"] = engine.has_unfinished_requests()
         return rows
     monkeypatch.setattr(roofline, "measure_prefill", spy)
     run_roofline_bench(tiny_model_dir, tmp_path / "r.json", monkeypatch, "--batch-sizes", "2",
                        "--context-len", "8", "--steps", "1", "--prefill-lens", "16", "--prefill-repeats", "1")
-    assert seen["ops"] is cpu and type(seen["sampler"]).__name__ == "Sampler" and not seen["unfinished"]
+    assert seen["ops"] is seen["backend_ops"] and isinstance(seen["ops"], FastOps)
+    assert type(seen["sampler"]).__name__ == "Sampler" and not seen["unfinished"]
 
 
 def test_thread_timeout_is_read_as_openblas_reads_it(monkeypatch):
@@ -299,7 +304,7 @@ def test_blas_threads_settle_when_numpy_is_imported_first():
         import json
         import numpy as np
         np.ones((64, 64)) @ np.ones((64, 64))          # the pool runs, with OpenBLAS's default
-        from minipaged.engine.thread_pools import openblas_libraries, thread_timeout
+        from minipaged.kernels.fast.thread_pools import openblas_libraries, thread_timeout
         libs = [i["filepath"] for i in openblas_libraries()]
         before = [thread_timeout(p) for p in libs]
         from minipaged.engine.backend import select_backend
@@ -326,9 +331,10 @@ def test_numba_runs_on_openmp_whatever_came_first(first):
         import {first}
         import numba, numpy as np
         from minipaged.engine.backend import select_backend
-        from minipaged.kernels import cpu
+        from minipaged.kernels.fast import elementwise, linear as fast_linear
+        from minipaged.kernels.fast.ops import FastOps
         select_backend("cpu", "auto", "numba")
-        cpu.silu_and_mul(np.ones((64, 4096), np.float32))   # a threaded kernel starts the pool
+        elementwise.silu_and_mul(np.ones((64, 4096), np.float32))   # a threaded kernel starts the pool
         print(numba.threading_layer())
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_THREADING_LAYER")}

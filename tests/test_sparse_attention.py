@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from minipaged import LLM, LLMEngine, SamplingParams
 from minipaged.config import ConfigError
-from minipaged.kernels import cpu, kv_quant
+from minipaged.kernels import kv_quant
+from minipaged.kernels.fast import attention, kv_write
+from minipaged.kernels.fast.tuning import FastTuning
 from minipaged.kernels import reference as spec
 from minipaged.kernels.layout import BlockBounds, KVQuant
 from test_kernels import random_batch
@@ -32,7 +34,7 @@ def written_pool(rng, k_float, v_float, fmt=None):
         kc, vc = np.zeros(k_float.shape, storage), np.zeros(v_float.shape, storage)
         shape = k_float.shape[:3] if fmt == kv_quant.KV_INT8 else (1, 1, 1)
         quant = KVQuant(fmt, np.ones(shape, np.float32), np.ones(shape, np.float32))
-    cpu.write_kv(kc, vc, tokens(k_float), tokens(v_float), slots, quant,
+    kv_write.write_kv(kc, vc, tokens(k_float), tokens(v_float), slots, quant,
                  BlockBounds(key_min, key_max, 0))
     return kc, vc, quant, key_min, key_max
 
@@ -46,7 +48,7 @@ def test_write_kv_keeps_each_blocks_key_bounds():
     np.testing.assert_array_equal(key_max, want_max)
     # a freed block written again: its first slot forgets the old bounds
     new = rng.standard_normal((2, 2, 8)).astype(np.float32) * 0.01
-    cpu.write_kv(kc, kc.copy(), new, new, np.array([8, 9], np.int64), None, BlockBounds(key_min, key_max, 0))
+    kv_write.write_kv(kc, kc.copy(), new, new, np.array([8, 9], np.int64), None, BlockBounds(key_min, key_max, 0))
     np.testing.assert_array_equal(key_min[2], np.minimum(new[0], new[1]))
     np.testing.assert_array_equal(key_max[2], np.maximum(new[0], new[1]))
 
@@ -73,12 +75,8 @@ def test_sparse_decode_matches_spec(case):
     q, k_float, v_float, meta = random_batch(rng, block_size=block_size, num_heads=num_kv_heads * group,
                                              num_kv_heads=num_kv_heads, head_dim=16, seqs=seqs)
     kc, vc, quant, key_min, key_max = written_pool(rng, k_float, v_float, fmt)
-    saved = cpu.BLAS_MIN_QUERIES
-    cpu.BLAS_MIN_QUERIES = 1 << 30                             # every row through the Numba kernel
-    try:
-        got = cpu.paged_attention(q, kc, vc, meta, 0.25, quant, BlockBounds(key_min, key_max, keep))
-    finally:
-        cpu.BLAS_MIN_QUERIES = saved
+    plan = attention.plan_attention(meta, None, FastTuning(prompt_min_queries=1 << 30))   # the Numba kernel, or BLAS
+    got = attention.paged_attention(q, kc, vc, plan, 0.25, quant, BlockBounds(key_min, key_max, keep))
     kd = kc if fmt is None else spec.dequantize_kv(kc, fmt, quant.k_scale)
     vd = vc if fmt is None else spec.dequantize_kv(vc, fmt, quant.v_scale)
     decodes = len(seq_lens)
@@ -94,10 +92,10 @@ def test_a_budget_covering_the_context_is_dense_attention_exactly():
     q, k_float, v_float, meta = random_batch(rng, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64,
                                              seqs=[(1, 200), (1, 37), (1, 16)])
     kc, vc, _, key_min, key_max = written_pool(rng, k_float, v_float)
-    dense = cpu.paged_attention(q, kc, vc, meta, 0.125)
-    covering = cpu.paged_attention(q, kc, vc, meta, 0.125, None, BlockBounds(key_min, key_max, 13))
+    dense = attention.paged_attention(q, kc, vc, meta, 0.125)
+    covering = attention.paged_attention(q, kc, vc, meta, 0.125, None, BlockBounds(key_min, key_max, 13))
     np.testing.assert_array_equal(covering, dense)
-    sparse = cpu.paged_attention(q, kc, vc, meta, 0.125, None, BlockBounds(key_min, key_max, 4))
+    sparse = attention.paged_attention(q, kc, vc, meta, 0.125, None, BlockBounds(key_min, key_max, 4))
     assert not np.array_equal(sparse[0], dense[0])              # 200 tokens in 13 blocks: 4 kept
     np.testing.assert_array_equal(sparse[1:], dense[1:])        # 3 and 1 blocks: all kept
 
@@ -108,15 +106,16 @@ def test_sparse_decode_over_several_chunks_and_slices(monkeypatch, block_size, s
     """Sparse decode over contexts of several of the register kernel's chunks, and split-K
     slices of them in which a head (or every head) reads no block at all: the spec's answer,
     every value finite."""
-    if split and cpu.get_num_threads() < 2:
+    if split and attention.get_num_threads() < 2:
         pytest.skip("split-K slices a context over two or more threads")
-    monkeypatch.setattr(cpu, "SPLIT_MIN_TOKENS", 1 if split else 1 << 30)
+    split_tuning = FastTuning(split_min_tokens=1 if split else 1 << 30)
     rng = np.random.default_rng(block_size)
     q, k_float, v_float, meta = random_batch(rng, block_size=block_size, num_heads=6, num_kv_heads=2,
                                              head_dim=24, seqs=[(1, 1100)])
     kc, vc, _, key_min, key_max = written_pool(rng, k_float, v_float)
     keep = 2                                   # the first and the last block: the middle slices read none
-    got = cpu.paged_attention(q, kc, vc, meta, 0.3, None, BlockBounds(key_min, key_max, keep))
+    got = attention.paged_attention(q, kc, vc, attention.plan_attention(meta, None, split_tuning), 0.3, None,
+                                    BlockBounds(key_min, key_max, keep))
     want = spec.sparse_decode_attention(q, kc, vc, key_min, key_max, meta.block_tables, meta.seq_lens, 0.3,
                                         keep * block_size)
     assert np.isfinite(got).all()
@@ -220,7 +219,6 @@ def test_split_k_over_compressed_blocks_and_short_chunks(monkeypatch, fmt):
 
     if get_num_threads() < 2:
         pytest.skip("split-K needs at least two threads")
-    monkeypatch.setattr(cpu, "SPLIT_MIN_TOKENS", 8)
     rng = np.random.default_rng(fmt)
     q, k_float, v_float, meta = random_batch(rng, block_size=4, num_heads=6, num_kv_heads=2, head_dim=16,
                                              seqs=[(5, 41)])
@@ -228,9 +226,9 @@ def test_split_k_over_compressed_blocks_and_short_chunks(monkeypatch, fmt):
     if fmt != kv_quant.KV_INT8:
         quant.k_scale[...] = 0.5
         quant.v_scale[...] = 2.0
-    plan = cpu.plan_attention(meta)
+    plan = attention.plan_attention(meta, None, FastTuning(split_min_tokens=8))
     assert len(plan.merges) == 1
-    got = cpu.paged_attention(q, kc, vc, plan, 0.25, quant)
+    got = attention.paged_attention(q, kc, vc, plan, 0.25, quant)
     want = spec.paged_attention(q, spec.dequantize_kv(kc, fmt, quant.k_scale), spec.dequantize_kv(vc, fmt, quant.v_scale),
                                 meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.25)
     np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-4)

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from minipaged import LLM, LLMEngine, SamplingParams
 from minipaged.config import ConfigError, SpeculativeConfig
-from minipaged.engine.ngram_proposer import propose_ngram
-from minipaged.engine.rejection_sampler import verify_coupled, verify_greedy, verify_sampled
-from minipaged.engine.spec_decode import best_draft_length, expected_tokens
+from minipaged.engine.spec_decode.ngram_proposer import propose_ngram
+from minipaged.engine.spec_decode.rejection_sampler import verify_coupled, verify_greedy, verify_sampled
+from minipaged.engine.spec_decode.decoder import best_draft_length, expected_tokens
 from minipaged.memory.block_manager import blocks_for
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from minipaged.kernels.packed_gemm import find_mkl_library
+from minipaged.kernels.fast.packed_gemm import find_mkl_library
 
 # oneMKL can run here (the tutorials then show it beside our kernels): its wheel, on Linux x86-64
 MKL_HERE = find_mkl_library() is not None and sys.platform.startswith("linux") and platform.machine() == "x86_64"
@@ -91,7 +91,8 @@ def test_t04_paged_attention_kernel():
     assert "query_start_loc [0, 6, 7]" in out
     assert "max |kernel - spec|" in out and "max |kernel - dense|" in out
     assert "D's query heads that changed: [2, 3]" in out
-    assert "Numba tiles (sequence, first row) [[0, 0], [1, 6]]" in out
+    assert "_attend is " in out and "for j in range(pos // block_size + 1):" in out
+    assert "the fast tier on the same batch: max |fast - plain|" in out
     assert "paged_prefill on the mixed batch: max |cuda - spec|" in out
     assert "3 partitions of 512 (split-K) + reduce" in out
 
@@ -176,6 +177,21 @@ def test_readme_states_the_core_engine_line_count():
             "memory/prefix_cache", "scheduler/scheduler", "engine/input_processor", "engine/llm_engine"]
     actual = sum(len((ROOT / "minipaged" / f"{name}.py").read_text().splitlines()) for name in core)
     assert stated == actual, f"README says {stated} lines, the core engine has {actual}"
+
+
+
+def test_readme_states_the_kernel_tiers_sizes():
+    """The plain tier's lines, the fast tier's lines and modules, as the README says; no module of
+    the fast tier over 400 lines (one concept each)."""
+    readme = (ROOT / "README.md").read_text()
+    plain = int(re.search(r"`kernels/simple.py`, is (\d+) lines", readme).group(1))
+    fast_lines, fast_modules = (int(n) for n in re.search(r"`kernels/fast/`, is (\d+) lines in (\d+)\s+modules",
+                                                          readme).groups())
+    assert plain == len((ROOT / "kernels" / "simple.py").read_text().splitlines())
+    modules = sorted((ROOT / "kernels" / "fast").glob("*.py"))
+    sizes = {path.name: len(path.read_text().splitlines()) for path in modules}
+    assert (fast_lines, fast_modules) == (sum(sizes.values()), len(modules)), sizes
+    assert max(sizes.values()) <= 400, sizes
 
 
 @pytest.mark.slow
@@ -288,3 +304,15 @@ def test_t21_operating_the_server():
     assert "the request got EngineDeadError" in out and "step timeout of 1 s" in out
     assert "health(): an engine step has run for" in out or "health(): the engine loop has stopped" in out
     assert "the dead-engine listeners heard it once: EngineHungError" in out
+
+
+
+@pytest.mark.slow
+def test_t22_from_plain_to_fast_kernels():
+    out = run_tutorial("22_from_plain_to_fast_kernels.py")
+    assert re.search(r"kernels='simple' +SimpleOps", out) and re.search(r"kernels='fast' +FastOps", out)
+    assert "the same tokens: True; the fast tier" in out
+    assert re.search(r"  registers +[\d.]+ ms +[\d.]+x +named vector registers", out)
+    assert re.search(r"1 row\(s\): BLAS +[\d.]+ us, skinny +[\d.]+ us, panels +[\d.]+ us", out)
+    assert "(tutorial 19)" in out and "the same tokens" in out
+    assert "5. What each trick bought, here" in out

@@ -1,14 +1,15 @@
 """Tutorial 4: the paged attention kernel, three ways.
 
 Goal: put keys and values for two sequences into a small KV pool at scattered
-physical blocks, run minipaged's CPU kernel on one flattened batch (a prefill
-and a decode together), and check it three ways: against the NumPy spec
-(kernels/reference.py), against plain dense causal attention on contiguous
-arrays, and against itself after moving the data to other blocks. Then see how
-the Numba CPU kernel splits the work, read the CUDA C kernel the GPU runs
-(kernels/paged_attention.cu), and run that very source on the CPU through the
-test harness (kernels/cuda_harness.py), which compiles it with g++ and runs one
-OS thread per CUDA thread: no GPU needed.
+physical blocks, run minipaged's plain CPU kernel (kernels/simple.py, the plain
+tier of kernels/ops.py) on one flattened batch (a prefill and a decode together),
+and check it three ways: against the NumPy spec (kernels/reference.py), against
+plain dense causal attention on contiguous arrays, and against itself after moving
+the data to other blocks. Then read the kernel itself (one Numba function, an
+online softmax over blocks), see the fast tier compute the same, read the CUDA C
+kernel the GPU runs (kernels/paged_attention.cu), and run that very source on the
+CPU through the test harness (kernels/cuda_harness.py), which compiles it with g++
+and runs one OS thread per CUDA thread: no GPU needed.
 
 The OS analogy: the kernel is the MMU. A program (attention) reads "token j of
 my context"; the hardware walks the page table (the block table) to find the
@@ -17,12 +18,17 @@ frame and offset, so the program never knows, or cares, where its memory lives.
 Run it:  python tutorials/04_paged_attention_kernel.py   (steps 10-11 need g++)
 """
 
+import inspect
 from pathlib import Path
 
 import numpy as np
 
-from minipaged.kernels import cpu, cuda, reference
+from minipaged.kernels import cuda, reference, simple
+from minipaged.kernels.fast.ops import FastOps
 from minipaged.kernels.layout import KEY, VALUE, AttentionMetadata, kv_cache_shape
+from minipaged.kernels.simple import SimpleOps
+
+ops = SimpleOps()                        # the plain tier: what `LLM(..., kernels="simple")` runs
 
 rng = np.random.default_rng(0)
 NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM = 8, 4, 8
@@ -56,13 +62,13 @@ def slots(name: str, positions) -> np.ndarray:
 
 
 print("\n3. An earlier step cached D's first 8 tokens: write_kv scatters them to their slots")
-cpu.write_kv(k_cache, v_cache, k["D"][:8], v["D"][:8], slots("D", range(8)))
+ops.write_kv(k_cache, v_cache, k["D"][:8], v["D"][:8], slots("D", range(8)))
 print(f"  slots written: {slots('D', range(8)).tolist()}")
 
 print("\n4. This step's batch, flattened: P's 6 prompt tokens, then D's 1 new token")
 new_tokens = {"P": range(0, 6), "D": range(8, 9)}
 slot_mapping = np.concatenate([slots(name, pos) for name, pos in new_tokens.items()])
-cpu.write_kv(k_cache, v_cache, np.concatenate([k["P"], k["D"][8:]]),
+ops.write_kv(k_cache, v_cache, np.concatenate([k["P"], k["D"][8:]]),
              np.concatenate([v["P"], v["D"][8:]]), slot_mapping)
 q_lens = [len(pos) for pos in new_tokens.values()]
 block_tables = np.full((2, max(len(t) for t in tables.values())), -1, dtype=np.int32)
@@ -83,9 +89,9 @@ for name, row in (("P", 0), ("D", 1)):
     gathered = reference.gather_context(k_cache, block_tables[row], lens[name])
     assert np.array_equal(gathered, k[name])
 
-print("\n5. Run the Numba kernel and the NumPy spec on the same batch")
+print("\n5. Run the plain kernel and the NumPy spec on the same batch")
 q = rng.standard_normal((meta.num_tokens, NUM_HEADS, HEAD_DIM)).astype(np.float32)
-out = cpu.paged_attention(q, k_cache, v_cache, meta, SCALE)
+out = ops.paged_attention(q, k_cache, v_cache, meta, SCALE)
 spec = reference.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, SCALE)
 print(f"  output {out.shape}; max |kernel - spec| = {np.abs(out - spec).max():.2e}")
@@ -115,7 +121,7 @@ for h in range(NUM_HEADS):
     print(f"  query head {h} -> KV head {h // GROUP}")
 # Prove it: change D's values in KV head 1 only; only query heads 2 and 3 of D's row should move.
 v_cache[tables["D"], 1] += 1.0
-diff = np.abs(cpu.paged_attention(q, k_cache, v_cache, meta, SCALE) - out).max(axis=-1)  # (T, H)
+diff = np.abs(ops.paged_attention(q, k_cache, v_cache, meta, SCALE) - out).max(axis=-1)  # (T, H)
 v_cache[tables["D"], 1] -= 1.0
 changed = [h for h in range(NUM_HEADS) if diff[6, h] > 1e-6]
 print(f"  after changing KV head 1 of D's blocks, D's query heads that changed: {changed}")
@@ -131,34 +137,26 @@ moved_meta = AttentionMetadata(
     query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
     block_tables=np.where(block_tables >= 0, perm[block_tables], -1).astype(np.int32),
     max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
-out_moved = cpu.paged_attention(q, moved_kv[0, KEY], moved_kv[0, VALUE], moved_meta, SCALE)
+out_moved = ops.paged_attention(q, moved_kv[0, KEY], moved_kv[0, VALUE], moved_meta, SCALE)
 print(f"  new block tables {moved_meta.block_tables.tolist()}; "
       f"max |difference| = {np.abs(out_moved - out).max():.2e}")
 assert np.allclose(out_moved, out, atol=1e-6)
 
-print("\n9. Inside the Numba CPU kernel: how one call splits its work")
-# kernels/cpu.py plans once per step (every layer reuses the plan): sequences with many query
-# rows (prompts, big chunks) go to the prompt kernel (kernels/prompt_attention.py: a tile of 32
-# queries walks the blocks once, its scores in a small scratch; a compressed cache gathers its
-# blocks for two BLAS products instead); the rest (decodes, short chunks) go to the Numba
-# kernel in tiles of up to QUERY_TILE query rows of one sequence, so a thread walks each K/V
-# block once for the whole tile. Tiles run in parallel (prange). A tile takes its context a
-# chunk of SCORE_CHUNK keys at a time: the chunk's scores, one online-softmax step for the
-# whole chunk, then p x v (the chunk's running max and sum carried to the next one).
-plan = cpu.plan_attention(meta)
-print(f"  this batch: prompt-path sequences {plan.prompt_seqs.tolist()}, Numba tiles (sequence, first row) "
-      f"{plan.work.tolist()}")
-assert plan.prompt_seqs.tolist() == [] and plan.work.tolist() == [[0, 0], [1, 6]]
-long_q = [40, 1, 1]           # a 40-token prompt next to two decodes (planning needs no data)
-big_meta = AttentionMetadata(
-    slot_mapping=np.zeros(sum(long_q), np.int64),
-    query_start_loc=np.concatenate([[0], np.cumsum(long_q)]).astype(np.int32),
-    seq_lens=np.array([40, 30, 50], np.int32), block_tables=np.zeros((3, 13), np.int32),
-    max_query_len=40, max_seq_len=50)
-big_plan = cpu.plan_attention(big_meta)
-print(f"  a 40-token prompt + 2 decodes: prompt-path sequences {big_plan.prompt_seqs.tolist()} "
-      f"(>= {cpu.BLAS_MIN_QUERIES} query rows), Numba tiles {big_plan.work.tolist()}")
-assert big_plan.prompt_seqs.tolist() == [0] and big_plan.work[:, 0].tolist() == [1, 2]
+print("\n9. The kernel itself: one Numba function a head, an online softmax over blocks")
+# kernels/simple.py: _paged_attention gives each query token a thread (prange) and, for each head,
+# calls _attend, which walks the sequence's block table block by block: the block's scores, a
+# running max (the softmax's), the sum so far rescaled when the max grows, then p x v. Read it:
+source = inspect.getsource(simple._attend.py_func).splitlines()
+walk = [line for line in source if "for j in range" in line or "valid = " in line or "correction = " in line]
+print(f"  _attend is {len(source)} lines; its page-table walk:")
+for line in walk:
+    print("    " + line.strip())
+assert len(source) < 60 and len(walk) == 3
+# The fast tier (kernels/fast/, tutorial 22) computes the same with registers, tiles of queries and
+# split-K slices; the model and the engine never know which tier runs them.
+fast = FastOps().paged_attention(q, k_cache, v_cache, meta, SCALE)
+print(f"  the fast tier on the same batch: max |fast - plain| = {np.abs(fast - out).max():.2e}")
+assert np.allclose(fast, out, atol=1e-5)
 
 print("\n10. The CUDA C kernel: read it")
 source = (Path(cuda.__file__).parent / "paged_attention.cu").read_text()
@@ -167,11 +165,11 @@ print("  kernels/paged_attention.cu opens with its map:")
 for line in header:
     print("    " + line)
 # CudaOps is the GPU backend's host code; the harness build of it launches the same kernels on the CPU.
-ops = cuda.cpu_harness_ops()   # g++ compiles each .cu once (cached in the temp directory)
-gpu_plan = ops.plan_attention(meta)
+cuda_ops = cuda.cpu_harness_ops()   # g++ compiles each .cu once (cached in the temp directory)
+gpu_plan = cuda_ops.plan_attention(meta)
 decode_meta = AttentionMetadata(meta.slot_mapping[6:], np.array([0, 1], np.int32), meta.seq_lens[1:],
                                 block_tables[1:], 1, int(meta.seq_lens[1]))
-decode_plan = ops.plan_attention(decode_meta)
+decode_plan = cuda_ops.plan_attention(decode_meta)
 print(f"  our mixed batch is not decode-only ({gpu_plan.decode_only}): paged_prefill, grid = "
       f"({len(gpu_plan.tiles)} tiles, {NUM_HEADS} heads), {cuda.NUM_WARPS * 32} threads per block")
 print(f"  D alone is decode-only ({decode_plan.decode_only}): paged_decode, grid = ({NUM_HEADS} heads, "
@@ -179,10 +177,10 @@ print(f"  D alone is decode-only ({decode_plan.decode_only}): paged_decode, grid
 assert not gpu_plan.decode_only and decode_plan.decode_only and decode_plan.num_partitions == 1
 
 print("\n11. Run the CUDA C source on the CPU (the harness: one OS thread per CUDA thread)")
-cuda_out = ops.paged_attention(q, k_cache, v_cache, meta, SCALE)
+cuda_out = cuda_ops.paged_attention(q, k_cache, v_cache, meta, SCALE)
 print(f"  paged_prefill on the mixed batch: max |cuda - spec| = {np.abs(cuda_out - spec).max():.2e}")
 assert np.allclose(cuda_out, spec, atol=1e-5)
-cuda_decode = ops.paged_attention(q[6:7], k_cache, v_cache, decode_meta, SCALE)
+cuda_decode = cuda_ops.paged_attention(q[6:7], k_cache, v_cache, decode_meta, SCALE)
 print(f"  paged_decode on D alone:        max |cuda - spec| = {np.abs(cuda_decode - spec[6:7]).max():.2e}")
 assert np.allclose(cuda_decode, spec[6:7], atol=1e-5)
 # A long context splits into PARTITION_SIZE pieces (split-K): each thread block does one
@@ -193,20 +191,23 @@ pool = rng.standard_normal((2, n_blocks + 3, NUM_KV_HEADS, LONG_BLOCK, HEAD_DIM)
 long_meta = AttentionMetadata(np.zeros(1, np.int64), np.array([0, 1], np.int32),
                               np.array([LONG_LEN], np.int32),
                               rng.permutation(n_blocks + 3)[None, :n_blocks].astype(np.int32), 1, LONG_LEN)
-long_plan = ops.plan_attention(long_meta)
+long_plan = cuda_ops.plan_attention(long_meta)
 q_long = rng.standard_normal((1, NUM_HEADS, HEAD_DIM)).astype(np.float32)
-long_out = ops.paged_attention(q_long, pool[0], pool[1], long_meta, SCALE)
+long_out = cuda_ops.paged_attention(q_long, pool[0], pool[1], long_meta, SCALE)
 long_spec = reference.paged_attention(q_long, pool[0], pool[1], long_meta.block_tables, long_meta.seq_lens,
                                       long_meta.query_start_loc, SCALE)
 print(f"  a {LONG_LEN}-token context: {long_plan.num_partitions} partitions of {cuda.PARTITION_SIZE} "
       f"(split-K) + reduce: max |cuda - spec| = {np.abs(long_out - long_spec).max():.2e}")
 assert long_plan.num_partitions == -(-LONG_LEN // cuda.PARTITION_SIZE) and np.allclose(long_out, long_spec, atol=1e-5)
 print("\nDone: one kernel call served a prefill and a decode, reading K/V through block tables;")
-print("the NumPy spec, the Numba kernel and the CUDA C kernel agree.")
+print("the NumPy spec, the plain kernel, the fast tier and the CUDA C kernel agree.")
 print("""
 Exercises:
   1. Set NUM_KV_HEADS = 4 (plain multi-head attention, no sharing) and rerun. Which query heads
      does step 7 show changing now, and how much bigger is the pool for the same tokens?
-  2. In kernels/paged_attention.cu, paged_decode hands KV blocks to warps in turn. For a
+  2. Change the kernel: in kernels/simple.py, _attend, drop the causal cut (make `valid` always
+     block_size) and rerun. Which step's check fails, and for which sequence's rows? Put it back,
+     then run `python -m minipaged chat --kernels simple`: the whole engine on your kernel.
+  3. In kernels/paged_attention.cu, paged_decode hands KV blocks to warps in turn. For a
      100-token context with block_size 16, which blocks does warp 2 read? Check your answer by
      printing `b` for each warp in a small Python loop written from the kernel's for statement.""")

@@ -144,7 +144,7 @@ print(f"  left at None, kv_cache_space is {DEFAULT_CPU_KV_SPACE_GIB:g} GiB: {def
 #   num_blocks = (gpu_memory_utilization * total - peak of weights + activations) // bytes_per_block
 # (profile_gpu_num_blocks in minipaged/engine/cache_engine.py). The weights we can count here; the
 # activations are measured by that pass on the real GPU, so 1 GiB below is only an assumption.
-weights = real.model.nbytes - real.model.cos.nbytes - real.model.sin.nbytes   # a tied head counted once
+weights = real.model.nbytes - real.model.rope.cos.nbytes - real.model.rope.sin.nbytes   # a tied head counted once
 weights_fp16, activations, total = weights // 2, 1 * GIB, 24 * GIB
 gpu_block = kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, 16, c.head_dim, 2)
 print(f"  GPU (24 GiB card, float16): weights {weights_fp16 / GIB:.2f} GiB, assumed activation peak "

@@ -17,15 +17,15 @@ step runs its layers as one persistent kernel, tutorial 19: one column of its ow
 timed again layer by layer, kernel by kernel, give the split).
 Last, what the measurement taught while the CPU path was made fast: a BLAS product of a
 few rows costs far more than reading the weight once (OpenBLAS packs the whole weight
-into its own layout first, at every call), so ``kernels/cpu.py`` ``linear`` sends small
+into its own layout first, at every call), so the fast tier's ``linear`` (``kernels/fast/linear.py``) sends small
 products to Numba kernels that stream each weight once for all of their rows:
 ``_skinny_linear`` (up to SKINNY_MAX_ROWS = 64 rows) reads the checkpoint's rows, dot product
 by dot product, and the panel kernel (up to PANEL_MAX_ROWS = 128 rows: every decode batch
-up to 128; ``kernels/panel_gemm.py``, on ``kernels/simd.py``'s registers) reads a copy of
+up to 128; ``kernels/fast/panel_gemm.py``, on ``kernels/fast/simd.py``'s registers) reads a copy of
 each weight laid out once, at load, for the product, which is what the engine multiplies
-by (every weight's panels in one region of 2 MB pages, ``kernels/huge_pages.py``, so that the
+by (every weight's panels in one region of 2 MB pages, ``kernels/fast/huge_pages.py``, so that the
 TLB covers them); that packing once, instead of at every call, is also what a
-vendor's library offers (oneMKL's packed GEMM, ``kernels/packed_gemm.py``; with it installed,
+vendor's library offers (oneMKL's packed GEMM, ``kernels/fast/packed_gemm.py``; with it installed,
 ``cpu_gemm="auto"`` times both engines on the machine and gives each kind of step the faster,
 tutorial 20); and two thread pools on the same cores must spin only briefly while they wait,
 then sleep. The steps here run our own kernels, asked for by name (``cpu_gemm="numba"``).
@@ -47,7 +47,8 @@ Run it:  python tutorials/14_the_roofline.py
 (MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
 
 Exercises (also printed at the end):
-  1. Set PANEL_MAX_ROWS and SKINNY_MAX_ROWS in kernels/cpu.py to 0 (every batch goes to BLAS;
+  1. Build the engine with fast_tuning=FastTuning(panel_max_rows=0, skinny_max_rows=0)
+     (kernels/fast/tuning.py: every batch goes to BLAS;
      with only PANEL_MAX_ROWS at 0, up to 64 rows go to _skinny_linear), then both to 256, and
      rerun  python -m minipaged bench roofline --batch-sizes 1,2,4,8,16,32,64 --prefill-lens 256
      How do the matmuls and lm_head columns move? Is BLAS's gemm the faster for the
@@ -59,10 +60,10 @@ Exercises (also printed at the end):
      bench roofline at that batch size: what ratio does the engine reach there?
   3. With oneMKL installed, run  python -m minipaged bench roofline --batch-sizes 1,2,8,16,32,64
      --cpu-gemm numba  and again with --cpu-gemm mkl. From which batch size does the packed GEMM
-     win? Set PACKED_MIN_ROWS in kernels/cpu.py to 1 and measure B=1 and B=2 again: why can
+     win? Give the engine FastTuning(packed_min_rows=1) and measure B=1 and B=2 again: why can
      packing not help a product that only streams the weight once?
   4. Step 4 prints this CPU's register shape (LANES, REGISTERS, TILE_ROWS). Set TILE_ROWS in
-     kernels/panel_gemm.py to 4, so that rows pass over a panel in tiles of 4 with 8 registers
+     kernels/fast/panel_gemm.py to 4, so that rows pass over a panel in tiles of 4 with 8 registers
      of sums each, and rerun  python -m minipaged bench roofline --batch-sizes 4,8,16,32,64
      --prefill-lens ""  What do the wider tiles (8 rows with AVX-512, 6 with AVX2) buy, and at
      which batch sizes? On an AVX2 CPU, run it also with MINIPAGED_SIMD_LANES=16 (AVX-512's
@@ -82,11 +83,13 @@ import time
 from minipaged import LLMEngine  # before numpy: it sets up numpy's thread pools
 import numpy as np
 import numba
-from minipaged.engine import thread_pools
-from minipaged.kernels import cpu, huge_pages
-from minipaged.kernels.packed_gemm import load_packed_gemm
-from minipaged.kernels.panel_gemm import PANEL, TILE_ROWS, PanelWeight
-from minipaged.kernels.simd import LANES, REGISTERS
+from minipaged.kernels.fast import thread_pools
+from minipaged.kernels.fast import huge_pages
+from minipaged.kernels.fast.linear import linear, pack_linear
+from minipaged.kernels.fast.tuning import DEFAULT_TUNING as TUNING
+from minipaged.kernels.fast.packed_gemm import load_packed_gemm
+from minipaged.kernels.fast.panel_gemm import PANEL, TILE_ROWS, PanelWeight
+from minipaged.kernels.fast.simd import LANES, REGISTERS
 from minipaged.tools import roofline
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
@@ -100,12 +103,13 @@ PARTS = roofline.PARTS         # matmuls, lm_head, attention, other_kernels, per
 
 
 def linear_path(rows: int, packed=None) -> str:
-    """Which product kernels.cpu.linear runs for this many float32 rows, given w's second copy."""
-    if isinstance(packed, PanelWeight) and rows <= cpu.PANEL_MAX_ROWS:
+    """Which product the fast tier's linear (kernels/fast/linear.py) runs for this many float32 rows,
+    given w's second copy."""
+    if isinstance(packed, PanelWeight) and rows <= TUNING.panel_max_rows:
         return "panels"
-    if packed is not None and not isinstance(packed, PanelWeight) and rows >= cpu.PACKED_MIN_ROWS:
+    if packed is not None and not isinstance(packed, PanelWeight) and rows >= TUNING.packed_min_rows:
         return "oneMKL packed"
-    return "skinny kernel" if rows <= cpu.SKINNY_MAX_ROWS else "BLAS gemm"
+    return "skinny kernel" if rows <= TUNING.skinny_max_rows else "BLAS gemm"
 
 
 def fmt_bytes(n: float) -> str:
@@ -132,7 +136,7 @@ print("  a step doing fewer FLOPs per byte it reads waits for memory (bandwidth-
 assert peak > 0 and bandwidth > 0 and probe >= 4 * llc
 
 print(f"\n2. One step's bytes and FLOPs, counted from the model's shapes ({MODEL})")
-engine = LLMEngine(MODEL, device="cpu", num_blocks=128, max_model_len=512, max_num_seqs=8,
+engine = LLMEngine(MODEL, device="cpu", kernels="fast", num_blocks=128, max_model_len=512, max_num_seqs=8,
                    max_num_batched_tokens=2048, swap_space=0, cpu_gemm="numba")   # our kernels, by name
 c = engine.model_config
 steps = {"decode B=1": roofline.step_cost(engine, [1], [CONTEXT], 1),
@@ -140,11 +144,12 @@ steps = {"decode B=1": roofline.step_cost(engine, [1], [CONTEXT], 1),
          f"prefill {PREFILL_LEN}": roofline.step_cost(engine, [PREFILL_LEN], [PREFILL_LEN], 1)}
 model = engine.runner.model
 # every matrix is stored (out, in), as the checkpoint has it; .size does not care which way.
-# Tied, the LM head is the embedding matrix itself (model.lm_head is model.embed): counted once.
+# Tied, the LM head is the embedding matrix itself (the config says so; the fast tier wraps the same
+# array, model.lm_head.weight is model.embed): counted once.
 matrices = sum(int(a.size) for layer in model.layers for a in (layer.qkv, layer.o, layer.gate_up, layer.down))
 matrices += int(model.lm_head.size)
 assert model.lm_head.shape == (c.vocab_size, c.hidden_size)                   # (out, in)
-tied = model.lm_head is model.embed
+tied = bool(c.tie_word_embeddings)
 kv_token = engine.cache.bytes_per_block // engine.cache.block_size     # K and V, every layer
 print(f"  every weight once: {matrices:,} float32 parameters in the layers' matrices and the LM head "
       f"= {fmt_bytes(4 * matrices)}; K and V of one token: {kv_token:,} bytes")
@@ -214,7 +219,7 @@ print("  the breakdown adds up to the step: matmuls (the layers' products), the 
       "attention, the other kernels (norms, rotary, SwiGLU, KV writes), the sampler, and the Python "
       "around the model (scheduler, inputs, outputs)")
 print("  the layers and LM head of a decode step run as one persistent kernel (tutorial 19, "
-      "kernels/persistent_decode.py): their products, attention and small kernels are one call, the "
+      "kernels/fast/persistent_decode.py): their products, attention and small kernels are one call, the "
       "persistent column; the 'layers' line times the same steps again layer by layer, kernel by kernel, "
       "which splits them (and shows what the one kernel saves)")
 
@@ -236,25 +241,25 @@ for row in decode[1:]:
     mm = weights_time(row) / weights_time(b1)
     print(f"  B={row['batch']}: {row['bound_s'] / b1['bound_s']:.2f}x the bound of B=1, its matrix products "
           f"{mm:.2f}x the time of B=1's layers and LM head (linear: "
-          f"{linear_path(row['batch'], model.copies['numba'].layers[0].gate_up)}, step 4)")
+          f"{linear_path(row['batch'], model.layers[0].gate_up.numba)}, step 4)")
 print(f"  the prefill reaches {100 * prefills[0]['fraction_of_peak']:.0f}% of the matmul peak: "
       f"{prefills[0]['gflop_s']:.0f} GFLOP/s")
 
 print("\n4. Skinny matrices: a few rows through one weight")
-w = model.layers[0].gate_up                 # (2 x ffn, hidden), (out, in): the FFN's fused gate and up projections
+w = model.layers[0].gate_up.weight          # (2 x ffn, hidden), (out, in): the FFN's fused gate and up projections
 assert w.shape == (2 * c.intermediate_size, c.hidden_size)
-panels = cpu.pack_linear(w)                 # kernels/panel_gemm.py: (panels, hidden, PANEL), made once
+panels = pack_linear(w)                 # kernels/fast/panel_gemm.py: (panels, hidden, PANEL), made once
 assert panels.data.shape == (-(-w.shape[0] // PANEL), w.shape[1], PANEL) and PANEL == 2 * LANES
 rng = np.random.default_rng(0)
 xs = {m: rng.standard_normal((m, w.shape[1]), dtype=np.float32) for m in ROWS}   # (M, hidden)
 for m, x in xs.items():
-    np.testing.assert_allclose(cpu.linear(x, w), x @ w.T, rtol=1e-4, atol=1e-4)          # the same product
-    np.testing.assert_allclose(cpu.linear(x, w, panels), x @ w.T, rtol=1e-4, atol=1e-4)  # and again
+    np.testing.assert_allclose(linear(x, w), x @ w.T, rtol=1e-4, atol=1e-4)          # the same product
+    np.testing.assert_allclose(linear(x, w, panels), x @ w.T, rtol=1e-4, atol=1e-4)  # and again
 HOWS = ("BLAS", "skinny", "panels")
 best = {(m, how): math.inf for m in ROWS for how in HOWS}
 for _ in range(REPEATS):                    # interleaved: a busy moment slows every case alike
     for m, x in xs.items():
-        for how, fn in zip(HOWS, (lambda: x @ w.T, lambda: cpu.linear(x, w), lambda: cpu.linear(x, w, panels))):
+        for how, fn in zip(HOWS, (lambda: x @ w.T, lambda: linear(x, w), lambda: linear(x, w, panels))):
             start = time.perf_counter()
             fn()
             best[m, how] = min(best[m, how], time.perf_counter() - start)
@@ -262,7 +267,7 @@ base = best[1, "BLAS"]
 print(f"  the weight: {w.shape[0]} x {w.shape[1]} {w.dtype} ({fmt_bytes(w.nbytes)}), "
       f"the best of {REPEATS} calls, as a ratio to one row through x @ w.T ({base * 1e3:.3f} ms)")
 print(f"  {'rows':>4} {'x @ w.T':>8} {'skinny':>7} {'panels':>7}  linear's path with the panels "
-      f"(PANEL_MAX_ROWS = {cpu.PANEL_MAX_ROWS})")
+      f"(PANEL_MAX_ROWS = {TUNING.panel_max_rows})")
 for m in ROWS:
     print(f"  {m:4} {best[m, 'BLAS'] / base:7.2f}x {best[m, 'skinny'] / base:6.2f}x {best[m, 'panels'] / base:6.2f}x  "
           f"{linear_path(m, panels)}")
@@ -271,17 +276,17 @@ print("  one row through x @ w.T is a matrix-vector product (gemv): it streams t
       "its own tiled layout, which pays off for many rows, not for a few")
 print("  the skinny kernel (_skinny_linear, linear without a second copy) reads each weight row once for all "
       "the rows: 4 x 4 dot products at a time, each summed in a register whose 16 lanes must then be added up")
-print(f"  this CPU's registers hold {LANES} float32s and there are {REGISTERS} of them (kernels/simd.py), so the "
-      f"panels (linear with model.copies['numba']'s copy) hold {PANEL} output features' weights for each k side by side: "
+print(f"  this CPU's registers hold {LANES} float32s and there are {REGISTERS} of them (kernels/fast/simd.py), so the "
+      f"panels (linear with the weight's .numba copy) hold {PANEL} output features' weights for each k side by side: "
       f"for a tile of {TILE_ROWS} rows the kernel keeps {2 * TILE_ROWS} registers of whole output rows, "
       f"two loads and {2 * TILE_ROWS} fused multiply-adds per k, and never adds lanes up")
-small = [m for m in ROWS if m <= cpu.SKINNY_MAX_ROWS]
+small = [m for m in ROWS if m <= TUNING.skinny_max_rows]
 wins = [m for m in small if best[m, "panels"] < best[m, "skinny"]]
 print(f"  here, in cache, the panels beat the skinny kernel at {len(wins)} of {len(small)} row counts "
       f"({best[8, 'panels'] / base:.1f}x against {best[8, 'skinny'] / base:.1f}x for 8 rows, "
       f"{best[32, 'panels'] / base:.1f}x against {best[32, 'skinny'] / base:.1f}x for 32, "
       f"{best[32, 'BLAS'] / base:.1f}x through BLAS)")
-print(f"  so linear runs the panels for 1..{cpu.PANEL_MAX_ROWS} rows, and BLAS's gemm for more (prefill), "
+print(f"  so linear runs the panels for 1..{TUNING.panel_max_rows} rows, and BLAS's gemm for more (prefill), "
       "which reuses each row of x across the whole weight in its caches; past that many rows, x itself "
       "no longer stays in the core's L2 cache beside a panel")
 fits = w.nbytes < llc
@@ -299,11 +304,11 @@ print("  docs/benchmarks.md records whole steps' products (2-core AMD EPYC, AVX-
       "(the weights streamed near the memory's speed up to 8 rows, then the multiply-adds near their peak); "
       "on an AVX2 EPYC (Zen 3) the AVX-512 shapes spilled their sums (241 ms at 64 rows), the AVX2 ones 105")
 # The model packed every weight's panels back to back into one region of huge pages
-# (cpu.pack_linears, kernels/huge_pages.py): the TLB, the page table's cache, covers 2 MB an
+# (kernels/fast/linear.py pack_linears, kernels/fast/huge_pages.py): the TLB, the page table's cache, covers 2 MB an
 # entry there instead of 4 KB.
-panel_copies = model.copies["numba"]         # our engine's copies: a PackedLayer a layer, and the head's
-copies = [p for layer in panel_copies.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-copies += [panel_copies.lm_head]
+# our engine's copies: each linear weight of the fast tier (a FastLinear) holds its panels as .numba
+copies = [w.numba for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+copies += [model.lm_head.numba]
 region = [p.data for p in copies if isinstance(p, PanelWeight)]
 if region:
     first, last = region[0].ctypes.data, region[-1].ctypes.data + region[-1].nbytes
@@ -319,7 +324,7 @@ if region:
               "with 2 MB pages now (/proc/self/smaps); one-sequence steps ran 2-5% faster so (docs/benchmarks.md)")
 
 print("\n5. Packing once: the CPU maker's own GEMM (oneMKL)")
-gemm = load_packed_gemm("auto", numba.get_num_threads())   # kernels/packed_gemm.py: None without the mkl wheel
+gemm = load_packed_gemm("auto", numba.get_num_threads())   # kernels/fast/packed_gemm.py: None without the mkl wheel
 if gemm is None:
     print("  oneMKL is not installed here (pip install 'minipaged[mkl]', Linux x86-64): linear multiplies by "
           "the panels and BLAS")
@@ -333,7 +338,7 @@ else:
         np.testing.assert_allclose(packed.apply(xs[m]), xs[m] @ w.T, rtol=1e-4, atol=1e-4)  # the same product
         timed[m] = [math.inf, math.inf]
         for _ in range(REPEATS // 4):
-            for i, fn in enumerate((lambda: cpu.linear(xs[m], w, panels), lambda: packed.apply(xs[m]))):
+            for i, fn in enumerate((lambda: linear(xs[m], w, panels), lambda: packed.apply(xs[m]))):
                 start = time.perf_counter()
                 fn()
                 timed[m][i] = min(timed[m][i], time.perf_counter() - start)
@@ -341,8 +346,8 @@ else:
     for m, (ours, theirs) in timed.items():
         print(f"  {m:4} {ours / base:6.2f}x {theirs / base:6.2f}x")
     print(f"  with cpu_gemm='mkl' the engine packs every weight of {c.num_hidden_layers} layers and the LM head "
-          f"at load (model.copies['mkl']); linear uses the packed copy from PACKED_MIN_ROWS = "
-          f"{cpu.PACKED_MIN_ROWS} rows. One weight in cache does not say which engine wins a whole step: "
+          f"at load (each weight's .mkl copy); linear uses the packed copy from PACKED_MIN_ROWS = "
+          f"{TUNING.packed_min_rows} rows. One weight in cache does not say which engine wins a whole step: "
           "cpu_gemm='auto' times whole steps of each kind through both, once per machine (tutorial 20)")
 
 print("\n6. Two thread pools on the same cores")

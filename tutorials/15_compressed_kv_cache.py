@@ -42,7 +42,8 @@ import time
 import numpy as np
 
 from minipaged import LLMEngine, SamplingParams
-from minipaged.kernels import cpu, kv_quant
+from minipaged.kernels import kv_quant
+from minipaged.kernels.fast import attention, kv_write   # the fast tier's kernels, named
 from minipaged.kernels import reference as spec
 from minipaged.tools.quality import perplexity, reference_text
 
@@ -153,14 +154,14 @@ q = rng.standard_normal((num_seqs, heads, head_dim)).astype(np.float32)
 k8, v8 = np.zeros(keys.shape, np.int8), np.zeros(keys.shape, np.int8)
 quant = KVQuant(kv_quant.KV_INT8, np.zeros(keys.shape[:3], np.float32), np.zeros(keys.shape[:3], np.float32))
 as_tokens = lambda cache: cache.transpose(0, 2, 1, 3).reshape(-1, kv_heads, head_dim)   # noqa: E731
-cpu.write_kv(k8, v8, as_tokens(keys), as_tokens(values), np.arange(blocks * size, dtype=np.int64), quant)
-plan = cpu.plan_attention(meta)
+kv_write.write_kv(k8, v8, as_tokens(keys), as_tokens(values), np.arange(blocks * size, dtype=np.int64), quant)
+plan = attention.plan_attention(meta)
 timings = {}
 for name, args in (("float32", (keys, values, None)), ("int8", (k8, v8, quant))):
-    cpu.paged_attention(q, args[0], args[1], plan, 0.125, args[2])           # compile, warm up
+    attention.paged_attention(q, args[0], args[1], plan, 0.125, args[2])     # compile, warm up
     start = time.perf_counter()
     for _ in range(10):
-        out = cpu.paged_attention(q, args[0], args[1], plan, 0.125, args[2])
+        out = attention.paged_attention(q, args[0], args[1], plan, 0.125, args[2])
     timings[name] = (time.perf_counter() - start) / 10
 dense = spec.paged_attention(q, spec.dequantize_kv(k8, 1, quant.k_scale), spec.dequantize_kv(v8, 1, quant.v_scale),
                              meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125)
@@ -181,19 +182,28 @@ table = sparse.block_manager.block_table(seq)
 layer, bounds = 10, sparse.cache.layer_bounds(10)
 print(f"  {len(story)} prompt tokens in {len(table)} blocks; budget 64 tokens = {bounds.keep} blocks a head")
 # The choice needs the decoding token's query at that layer: catch it on its way into the
-# kernel (the model calls ops.paged_attention, here the cpu module's function).
+# kernel: the model calls ops.paged_attention on its tier (kernels/ops.py), here wrapped by a spy.
 captured = {}
-real_attention = cpu.paged_attention
 
 
-def spy(q, k_cache, v_cache, plan, scale, quant=None, bounds=None):
-    captured.setdefault("layers", []).append(q.copy())
-    return real_attention(q, k_cache, v_cache, plan, scale, quant, bounds)
+class Spy:
+    """The model's tier of kernels, noting each layer's queries on their way into paged_attention."""
+
+    def __init__(self, ops) -> None:
+        self.ops = ops
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def paged_attention(self, q, *args):
+        captured.setdefault("layers", []).append(q.copy())
+        return self.ops.paged_attention(q, *args)
 
 
-cpu.paged_attention = spy
+real_ops = sparse.model.ops
+sparse.model.ops = Spy(real_ops)
 sparse.step()                                        # one decode: the spy sees each layer's q
-cpu.paged_attention = real_attention
+sparse.model.ops = real_ops
 q_layer = captured["layers"][layer][0]               # (heads, head_dim) of the decoding token
 group = c.num_attention_heads // c.num_key_value_heads
 for head in range(0, c.num_attention_heads, max(1, group // 2)):   # heads of each KV head
@@ -218,7 +228,7 @@ few = AttentionMetadata(meta.slot_mapping[:4], meta.query_start_loc[:5], meta.se
                         context)
 gpu_kernels = cpu_harness_ops()
 on_harness = gpu_kernels.paged_attention(q[:4], k8, v8, few, 0.125, quant)
-numba = cpu.paged_attention(q[:4], k8, v8, few, 0.125, quant)
+numba = attention.paged_attention(q[:4], k8, v8, few, 0.125, quant)
 print(f"  paged_decode_f32 over int8 blocks, 4 sequences x {context} tokens: largest difference from the "
       f"Numba kernel {np.abs(on_harness - numba).max():.1e}")
 assert np.allclose(on_harness, numba, atol=3e-5, rtol=1e-4)

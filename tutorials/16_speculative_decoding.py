@@ -36,8 +36,8 @@ import time
 
 from minipaged import LLM, LLMEngine, SamplingParams  # before numpy: it sets up numpy's thread pools
 import numpy as np
-from minipaged.engine.ngram_proposer import propose_ngram
-from minipaged.engine.rejection_sampler import verify_sampled
+from minipaged.engine.spec_decode.ngram_proposer import propose_ngram
+from minipaged.engine.spec_decode.rejection_sampler import verify_sampled
 from minipaged.tools.spec_bench import passages
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")

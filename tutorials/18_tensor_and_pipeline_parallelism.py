@@ -35,7 +35,7 @@ import os
 from minipaged import LLMEngine, SamplingParams  # before numpy: it sets up numpy's thread pools
 import numpy as np
 
-from minipaged.engine import executor as executor_module
+from minipaged.engine.parallel import executor as executor_module
 from minipaged.model.sharding import stage_layers
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")

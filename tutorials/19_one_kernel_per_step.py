@@ -2,17 +2,17 @@
 
 Goal: make the one-sequence decode step (a chat, ``bench single-stream``) run at the speed
 of memory. That step reads every weight once, 538 MB for SmolLM2, and does almost no
-arithmetic, so the memory bus should never rest. Run kernel by kernel (``kernels/cpu.py``),
+arithmetic, so the memory bus should never rest. Run kernel by kernel (``kernels/fast/``),
 the step is ~120 matrix products and ~200 small kernels (norms, rotary, the KV write,
 attention, SiLU), each its own parallel region: Python calls it, the thread pool wakes, the
 work is split evenly, the threads join. Between two products the bus idles. The persistent
-kernel (``kernels/persistent_decode.py``) runs every layer in one parallel region instead:
+kernel (``kernels/fast/persistent_decode.py``) runs every layer in one parallel region instead:
 
 - the step is a fixed list of **phases**: a product's phase has many tasks (a run of its
   weight's panels each; the LM head's is the last phase); a norm, rotary with the KV write,
   SiLU, the residual adds are phases of one task a token; attention has one task per work item;
 - a thread **claims** a phase's next task by adding one to a counter, atomically
-  (``kernels/atomics.py``: the futex word of the analogy), runs it, and counts it done; each
+  (``kernels/fast/atomics.py``: the futex word of the analogy), runs it, and counts it done; each
   thread has a contiguous range of each phase's tasks, with a counter of its own, and takes
   the others' tasks only when its own are done (work stealing), so that it reads its share
   of a weight front to back;
@@ -20,7 +20,7 @@ kernel (``kernels/persistent_decode.py``) runs every layer in one parallel regio
   complete, and meanwhile asks the memory for the next weight it will multiply, so that the
   bus streams weights while the other thread runs attention or a norm.
 
-The same kernel takes every decode step the panels multiply (up to ``cpu.PANEL_MAX_ROWS`` =
+The same kernel takes every decode step the panels multiply (up to ``FastTuning.panel_max_rows`` =
 128 tokens, rows padded to a multiple of 4, none of them a long prompt's); here we follow a
 single sequence. We:
 
@@ -42,7 +42,7 @@ Run it:  python tutorials/19_one_kernel_per_step.py
 (MINIPAGED_TUTORIAL_MODEL=/path/to/a/llama/dir picks another model.)
 
 Exercises (also printed at the end):
-  1. Set TASK_BYTES in kernels/persistent_decode.py to 16 KB, then to 4 MB (each edit
+  1. Set TASK_BYTES in kernels/fast/layer_stack.py to 16 KB, then to 4 MB (each edit
      compiles afresh: Numba's cache folder is named after every kernel source), and
      rerun step 4. Which costs more: claiming many small tasks, or the two threads finishing
      a product at different times?
@@ -63,7 +63,9 @@ from minipaged import LLMEngine, SamplingParams  # before numpy: it sets up nump
 import numpy as np
 from numba import get_num_threads, njit, prange
 
-from minipaged.kernels import cpu, persistent_decode
+from minipaged.kernels.fast import attention, layer_stack, ops as fast_ops, persistent_decode
+from minipaged.kernels.fast.ops import FastOps
+from minipaged.kernels.fast.tuning import FastTuning
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
 TASKS = 100_000           # step 1: tasks of one phase
@@ -87,7 +89,8 @@ def claim_all(ctr, runs, owner):
 
 threads = get_num_threads()
 print(f"1. Claiming one phase's tasks ({threads} threads, a range of tasks each)")
-ctr = np.zeros((1, (threads + 1) * persistent_decode.LINE), np.int64)   # done, then a claim counter a range
+ctr = np.zeros((2, (threads + 1) * persistent_decode.LINE), np.int64)   # done, a claim counter a range;
+#                                                                    the last row: the step's failure mark
 runs = np.zeros(TASKS, np.int64)
 owner = np.full(TASKS, -1, np.int64)
 claim_all(ctr, runs, owner)
@@ -102,15 +105,19 @@ assert runs.min() == runs.max() == 1 and ctr[0, 0] == TASKS and owner.min() >= 0
 print(f"\n2. One step of one sequence, layer by layer and as one kernel ({MODEL})")
 # our own kernels by name: with oneMKL installed, cpu_gemm="auto" times both engines on this
 # machine and may give some kinds of step to oneMKL (tutorial 20); the persistent kernel is ours
-engine = LLMEngine(MODEL, device="cpu", num_blocks=64, max_model_len=512, log_stats_interval=0, cpu_gemm="numba")
+engine = LLMEngine(MODEL, device="cpu", num_blocks=64, max_model_len=512, log_stats_interval=0, cpu_gemm="numba",
+                   kernels="fast")
 model, c = engine.runner.model, engine.model_config
-stack = model.persistent              # the layers as the kernel reads them: views of the panels
+stack = model.weights.tier_state.persistent   # the layers as the kernel reads them: views of the panels
+# the fast tier with its persistent kernel on and off (a FastTuning switch, kernels/fast/tuning.py):
+# the prepared weights serve both, so the model can be handed either
+tier = {on: FastOps(FastTuning(persistent_decode=on)) for on in (False, True)}
 print(f"  {c.num_hidden_layers} layers, {persistent_decode.PHASES_PER_LAYER} phases each "
       f"(one more for layer 0's first norm, one for the LM head): "
       f"{2 + persistent_decode.PHASES_PER_LAYER * c.num_hidden_layers} phases in one parallel region")
 per = stack.per_task
 print(f"  a product task is a run of {per[0]} panels of qkv and gate/up ({c.hidden_size} inputs), "
-      f"{per[3]} of down ({c.intermediate_size}): about {persistent_decode.TASK_BYTES >> 10} KB of weights")
+      f"{per[3]} of down ({c.intermediate_size}): about {layer_stack.TASK_BYTES >> 10} KB of weights")
 engine.add_request("chat", "The operating system keeps a page table for every process, so that",
                    SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
 engine.step()                         # the prompt, and its first token
@@ -132,7 +139,7 @@ print(f"  the step: {step.input_ids.shape[0]} token at position {int(step.positi
       f"{int(meta.slot_mapping[0])}")
 logits, pools = {}, {}
 for on in (False, True):
-    cpu.PERSISTENT_DECODE = on
+    model.ops = tier[on]
     pool = kv.copy()                  # each way writes this token's K/V into its own copy
     logits[on] = model.forward(step.input_ids, step.positions, pool, meta, step.logits_indices)
     pools[on] = pool
@@ -142,12 +149,12 @@ print(f"  the same logits, bit for bit: {same_logits}; the same K/V written: {sa
 assert same_logits and same_kv
 
 print("\n3. More iterations than threads")
-plan = cpu.plan_attention(meta)
+plan = attention.plan_attention(meta)
 hidden = model.embed[step.input_ids]
-args = (plan, model.scale, c.rms_norm_eps, model.cos, model.sin, c.num_attention_heads)
-_, expected = cpu.decode_layers(stack, hidden, step.positions, kv.copy(), *args, with_head=True)   # (1, vocab)
+args = (plan, model.scale, c.rms_norm_eps, model.rope.cos, model.rope.sin, c.num_attention_heads)
+_, expected = fast_ops.decode_layers(stack, hidden, step.positions, kv.copy(), *args, with_head=True)   # (1, vocab)
 more = get_num_threads() + 1
-_, got = cpu.decode_layers(stack, hidden, step.positions, kv.copy(), *args, with_head=True, num_threads=more)
+_, got = fast_ops.decode_layers(stack, hidden, step.positions, kv.copy(), *args, with_head=True, num_threads=more)
 print(f"  {more} iterations on {get_num_threads()} threads: one thread runs two of them, one after the "
       f"other; the second finds every phase done and passes through. The same logits: "
       f"{np.array_equal(got, expected)}")
@@ -158,7 +165,7 @@ best = {False: float("inf"), True: float("inf")}
 tokens = {}
 for _ in range(3):
     for on in (False, True):
-        cpu.PERSISTENT_DECODE = on
+        model.ops = tier[on]
         engine.add_request(f"timed-{on}", "A thread that finds the lock taken can sleep or spin;",
                            SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
         engine.step()                 # the prompt (short: through the kernel too, when it is on)
@@ -168,7 +175,7 @@ for _ in range(3):
                 if out.finished:
                     tokens[on] = out.outputs[0].token_ids
         best[on] = min(best[on], (time.perf_counter() - start) / (TOKENS - 1))
-cpu.PERSISTENT_DECODE = True
+model.ops = tier[True]
 print(f"  layer by layer: {best[False] * 1e3:.1f} ms a token; one kernel: {best[True] * 1e3:.1f} ms "
       f"({best[False] / best[True]:.2f}x); the same tokens: {tokens[True] == tokens[False]}")
 assert tokens[True] == tokens[False]

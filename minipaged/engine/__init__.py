@@ -7,11 +7,10 @@
     liveness.py          the hung-task watchdog's trace: each step's heartbeat and the stats copied
                          between steps, read by /health and /stats without waiting on the engine
     input_processor.py   a request checked in full before it is queued (exec()'s checks): RequestError
-    backend.py           the hardware abstraction layer: picks the device and the kernel namespace
+    backend.py           the hardware abstraction layer: picks the device and the tier of kernels
+                         (kernels/ops.py: the plain tier, the fast tier, CUDA's)
     linear_calibration.py  the boot-time benchmark: each kind of step's linear-layer engine (ours
                          or oneMKL's) timed once per machine and model shape, kept on disk
-    thread_pools.py      BLAS's and Numba's thread pools told to yield the cores to each other,
-                         whatever was imported first
     cache_engine.py      physical memory and swap space: owns the KV pool and the CPU swap pool,
                          executes the memory manager's copy and swap plans (the DMA driver)
     model_runner.py      loads the page-table base registers: one step flattened into arrays
@@ -21,18 +20,11 @@
     detokenizer.py       incremental detokenization: text grows token by token
     output_processor.py  stop rules and RequestOutputs (the system call's return values)
     metrics.py           the counters behind get_stats() and the periodic log line (top)
-    spec_decode.py       speculative execution: draft lengths and n-gram drafts, verification,
-                         the adaptive rule and the counters
-    ngram_proposer.py    readahead for tokens: prompt-lookup drafts
-    rejection_sampler.py retiring speculated work: greedy checks and the exact rejection rule
-    draft_model.py       a draft model, its own KV pool under the target's block ids
-    worker.py            one processor and its local memory: a model shard and the KV pool of its
-                         heads and layers, under the driver's one set of block ids
-    executor.py          inter-processor calls: one step carried to every worker; ``uni`` runs them
-                         in this process, their all-reduces a sum in lock step
-    ray_executor.py      workers as Ray actors: pipeline stages pass hidden states as Ray objects,
-                         tensor-parallel GPUs all-reduce over NCCL
+    spec_decode/         speculative execution: draft lengths, n-gram and draft-model drafts, the
+                         verification of a step's rows, the rollback of the rejected ones
+    parallel/            the workers (model shards and their pools) and the executors that carry
+                         each step to them (uni, ray)
 
 It drives the scheduler (scheduler/) and the memory manager (memory/) below it, and the
-model (model/) and the kernels (kernels/) through the backend's kernel namespace.
+model (model/) and the kernels (kernels/) through the tier of kernels the backend chose.
 """

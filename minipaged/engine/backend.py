@@ -1,11 +1,14 @@
-"""Backend: the one place that decides which hardware runs the kernels.
+"""Backend: the one place that decides which hardware, and which tier of kernels, runs the model.
 
-Everything above (block manager, scheduler, engine) is identical on every
-device; it only receives the kernel namespace chosen here.
+Everything above (block manager, scheduler, engine) is identical on every device and tier; it
+only receives the ``KernelOps`` chosen here (``kernels/ops.py``): the CUDA tier on a GPU, else
+the CPU tier ``EngineConfig.kernels`` names, "fast" (``kernels/fast/``) or "simple"
+(``kernels/simple.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import sys
@@ -13,8 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels.linear_paths import LinearPaths
-from .thread_pools import settle_blas_threads, settle_numba_layer
+from ..kernels.fast.linear_paths import LinearPaths
+from ..kernels.fast.tuning import DEFAULT_TUNING, FastTuning
+from ..kernels.fast.thread_pools import settle_blas_threads, settle_numba_layer
 
 logger = logging.getLogger("minipaged")
 
@@ -22,9 +26,9 @@ logger = logging.getLogger("minipaged")
 @dataclass(frozen=True)
 class Backend:
     device: str        # "cpu" or "cuda"
-    ops: object        # kernels.cpu (a module) or kernels.cuda.CudaOps: xp, rms_norm, ..., paged_attention
+    ops: object        # a KernelOps (kernels/ops.py): SimpleOps, FastOps or CudaOps
     dtype: np.dtype    # weights and KV cache
-    gemm: object = None   # CPU: kernels.packed_gemm.PackedGemm (oneMKL), where some kind of step uses it, or None
+    gemm: object = None   # CPU: kernels.fast.packed_gemm.PackedGemm (oneMKL), where some kind of step uses it, or None
     cpu_gemm: str = "auto"   # what was asked for (auto, mkl, numba)
     # each kind of step's engine for the linear layers (kernels/linear_paths.py); None while
     # cpu_gemm="auto" with oneMKL installed has yet to measure them (engine/linear_calibration.py)
@@ -33,6 +37,16 @@ class Backend:
     @property
     def xp(self):
         return self.ops.xp
+
+    @property
+    def kernels(self) -> str:
+        """The tier that runs: "simple", "fast" or "cuda"."""
+        return self.ops.name
+
+    def with_linear_paths(self, linear_paths: LinearPaths, gemm) -> Backend:
+        """The same backend with each kind of step's engine settled (``engine/linear_calibration.py``)."""
+        return dataclasses.replace(self, linear_paths=linear_paths, gemm=gemm,
+                                   ops=self.ops.with_paths(linear_paths, gemm))
 
 
 def cuda_available() -> bool:
@@ -44,8 +58,11 @@ def cuda_available() -> bool:
         return False
 
 
-def select_backend(device: str, dtype: str, cpu_gemm: str = "auto", linear_paths: LinearPaths | None = None) -> Backend:
-    """CUDA when asked for (or, with "auto", when CuPy sees a GPU), else the CPU. Its linear
+def select_backend(device: str, dtype: str, cpu_gemm: str = "auto", linear_paths: LinearPaths | None = None,
+                   kernels: str = "fast", tuning: FastTuning = DEFAULT_TUNING) -> Backend:
+    """CUDA when asked for (or, with "auto", when CuPy sees a GPU), else the CPU, whose tier of
+    kernels is ``kernels``: "fast" or "simple" (which multiplies with numpy's BLAS and has no use
+    for oneMKL, linear paths or ``tuning``, the fast tier's switches). The fast tier's linear
     layers' engines: ``linear_paths`` when given (a worker elsewhere gets the driver's); else
     every step oneMKL's with ``cpu_gemm="mkl"``, ours with "numba" or without oneMKL installed,
     and, with "auto" and oneMKL installed, None: measured once the model is known
@@ -62,10 +79,17 @@ def select_backend(device: str, dtype: str, cpu_gemm: str = "auto", linear_paths
     if dtype not in ("auto", "float32"):
         raise ValueError(f"dtype={dtype!r} is not supported on the CPU; use 'float32' or 'auto'")
     settle_numba_layer()              # OpenMP first, whatever was imported first
-    from ..kernels import cpu  # noqa: PLC0415 (compiles Numba kernels on first use)
-    from ..kernels.packed_gemm import load_packed_gemm  # noqa: PLC0415
+    if kernels == "simple":
+        from ..kernels.simple import SimpleOps  # noqa: PLC0415 (compiles Numba kernels on first use)
 
-    gemm = load_packed_gemm(cpu_gemm, cpu.get_num_threads())
+        settle_blas_threads()
+        return Backend("cpu", SimpleOps(), np.dtype(np.float32), None, cpu_gemm, LinearPaths.every("numba"))
+    from numba import get_num_threads  # noqa: PLC0415
+
+    from ..kernels.fast.ops import FastOps  # noqa: PLC0415 (compiles Numba kernels on first use)
+    from ..kernels.fast.packed_gemm import load_packed_gemm  # noqa: PLC0415
+
+    gemm = load_packed_gemm(cpu_gemm, get_num_threads())
 
     stuck = settle_blas_threads()     # whatever came first, numpy or minipaged
     if stuck:
@@ -81,7 +105,9 @@ def select_backend(device: str, dtype: str, cpu_gemm: str = "auto", linear_paths
         linear_paths = LinearPaths.every("mkl" if gemm is not None else "numba")
     if linear_paths is not None and "mkl" not in linear_paths.used():
         gemm = None
-    return Backend("cpu", cpu, np.dtype(np.float32), gemm, cpu_gemm, linear_paths)
+    # while "auto" has yet to measure (linear_paths None), ours for every step: the calibration times both
+    ops = FastOps(tuning, gemm, linear_paths) if linear_paths is not None else FastOps(tuning)
+    return Backend("cpu", ops, np.dtype(np.float32), gemm, cpu_gemm, linear_paths)
 
 
 def release_device_memory() -> None:

@@ -34,7 +34,6 @@ per machine). A model of which oneMKL would pack no weight (a toy) is not timed:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import fcntl
 import hashlib
@@ -49,8 +48,8 @@ from pathlib import Path
 import numpy as np
 
 from ..kernels.layout import kv_cache_shape
-from ..kernels.linear_paths import PATHS, STEP_KINDS, LinearPaths
-from ..kernels.packed_gemm import MIN_PACKED_ELEMENTS, cpuinfo_field
+from ..kernels.fast.linear_paths import PATHS, STEP_KINDS, LinearPaths
+from ..kernels.fast.packed_gemm import MIN_PACKED_ELEMENTS, cpuinfo_field
 from ..model.config import LlamaConfig
 from ..model.fetch import cache_dir
 from ..model.llama import LlamaModel
@@ -128,7 +127,7 @@ def measure(config: LlamaConfig, tensors: dict, ops, gemm, rounds: int = ROUNDS)
     ``rounds`` values each, after one untimed warm round."""
     max_positions = min(config.max_position_embeddings, PREFILL_ROWS)
     both = LinearPaths(single_decode="numba", batched_decode="mkl", prefill="mkl")   # holds both copies
-    model = LlamaModel(config, tensors, ops, max_positions=max_positions, gemm=gemm, linear_paths=both)
+    model = LlamaModel(config, tensors, ops.with_paths(both, gemm), max_positions=max_positions)   # both copies
     prompt = max_positions                               # (prompts of this length) x seqs > DECODE_MAX_ROWS
     prompts = -(-PREFILL_ROWS // prompt)
     blocks = max(64 * -(-DECODE_CONTEXT // BLOCK_SIZE), prompts * -(-prompt // BLOCK_SIZE))
@@ -141,7 +140,7 @@ def measure(config: LlamaConfig, tensors: dict, ops, gemm, rounds: int = ROUNDS)
                        for seqs, query in cases]
 
     def run(kind: str, path: str) -> float:
-        model.linear_paths = LinearPaths.every(path)     # both copies are there: either engine runs
+        model.ops = ops.with_paths(LinearPaths.every(path), gemm)   # both copies are there: either engine runs
         start = time.perf_counter()
         for step in steps[kind]:
             model.forward(step.input_ids, step.positions, kv, step.meta, step.logits_indices)
@@ -227,7 +226,7 @@ def settle_linear_paths(backend: Backend, config: LlamaConfig, model_dir, cache:
     if backend.linear_paths is not None:
         return backend
     if not packs_anything(config):          # a toy model: oneMKL would pack none of its weights
-        return dataclasses.replace(backend, linear_paths=LinearPaths.every("numba"), gemm=None)
+        return backend.with_linear_paths(LinearPaths.every("numba"), None)
     cache = cache or CalibrationCache()
     machine, shape = machine_key(backend.gemm.num_threads), shape_key(config)
     key = entry_key(machine, shape)
@@ -236,8 +235,7 @@ def settle_linear_paths(backend: Backend, config: LlamaConfig, model_dir, cache:
         with cache.locked():                # another process may be timing this very shape
             paths = cache.get(key) or _measure_and_keep(backend, config, model_dir, cache, key, machine, shape,
                                                         measure_fn or measure)
-    return dataclasses.replace(backend, linear_paths=paths,
-                               gemm=backend.gemm if "mkl" in paths.used() else None)
+    return backend.with_linear_paths(paths, backend.gemm if "mkl" in paths.used() else None)
 
 
 def _measure_and_keep(backend: Backend, config: LlamaConfig, model_dir, cache: CalibrationCache, key: str,

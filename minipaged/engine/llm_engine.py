@@ -20,10 +20,12 @@ import time
 
 import numpy as np
 
-from ..config import CacheConfig, ConfigError, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from ..config import (CacheConfig, ConfigError, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
+                      default_kernels)
 from ..memory.block_manager import BlockManager
 from ..memory.contiguous_allocator import ContiguousBlockManager
 from ..memory.fragmentation import KVBreakdown, measure, summarize
+from ..kernels.fast.tuning import DEFAULT_TUNING, FastTuning
 from ..model.config import LlamaConfig, read_generation_defaults
 from ..model.fetch import DEFAULT_MODEL, resolve_model
 from ..model.tokenizer import Tokenizer
@@ -33,15 +35,15 @@ from ..scheduler.scheduler import Scheduler
 from ..sequence import SequenceGroup
 from .backend import select_backend
 from .beam_search import BeamSearchParams, advance_beams
-from .draft_model import DraftModel, load_draft_config
-from .executor import check_executor, make_executor
+from .spec_decode.draft_model import DraftModel, load_draft_config
+from .parallel.executor import check_executor, make_executor
 from .input_processor import InputProcessor, PromptInput, RequestError
 from .linear_calibration import settle_linear_paths
 from .metrics import Metrics
 from .model_runner import build_model_input
 from .output_processor import OutputProcessor
 from .sampler import Sampler, SampleRequest, log_softmax, to_host
-from .spec_decode import SpeculativeDecoder
+from .spec_decode.decoder import SpeculativeDecoder
 
 logger = logging.getLogger("minipaged")
 
@@ -59,9 +61,13 @@ class LLMEngine:
                  calculate_kv_scales: bool = False, sparse_attention_budget: int | None = None,
                  speculative_config=None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  distributed_executor_backend: str = "uni", seed: int = 0, log_stats_interval: float = 0.0,
-                 max_logprobs: int = 20, cpu_gemm: str = "auto") -> None:
+                 max_logprobs: int = 20, cpu_gemm: str = "auto", kernels: str | None = None,
+                 fast_tuning: FastTuning = DEFAULT_TUNING) -> None:
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype, seed=seed,
-                                   max_logprobs=max_logprobs, cpu_gemm=cpu_gemm)
+                                   max_logprobs=max_logprobs, cpu_gemm=cpu_gemm,
+                                   kernels=default_kernels() if kernels is None else kernels)
+        if not isinstance(fast_tuning, FastTuning):
+            raise ConfigError(f"fast_tuning must be a FastTuning (kernels/fast/tuning.py), got {type(fast_tuning).__name__}")
         cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                    kv_cache_space=kv_cache_space, swap_space=swap_space,
                                    gpu_memory_utilization=gpu_memory_utilization,
@@ -122,7 +128,8 @@ class LLMEngine:
             num_scheduler_steps=num_scheduler_steps)
         self.max_model_len = self.scheduler_config.max_model_len
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.backend = select_backend(self.config.device, self.config.dtype, self.config.cpu_gemm)
+        self.backend = select_backend(self.config.device, self.config.dtype, self.config.cpu_gemm,
+                                      kernels=self.config.kernels, tuning=fast_tuning)
         check_executor(self.parallel_config, self.backend.device)
         # cpu_gemm="auto" with oneMKL: each kind of step's engine, timed once a machine and model shape
         self.backend = settle_linear_paths(self.backend, self.model_config, model_dir)
@@ -168,7 +175,7 @@ class LLMEngine:
                                               max_logprobs=self.config.max_logprobs,
                                               max_num_seqs=self.scheduler_config.max_num_seqs)
         self.metrics = Metrics()
-        self.spec = (SpeculativeDecoder(self.speculative_config, self.max_model_len)
+        self.spec = (SpeculativeDecoder(self.speculative_config, self.max_model_len, self.draft)
                      if self.speculative_config is not None else None)
         self.log_stats_interval = log_stats_interval   # seconds between log lines; 0 = never
         self._last_log_time = time.monotonic()
@@ -284,13 +291,10 @@ class LLMEngine:
     def _run_model(self, items: list, touched: dict[str, SequenceGroup]) -> int:
         """One forward pass over ``items``, then sample; returns how many tokens were sampled."""
         tables = [self.block_manager.block_table(s.seq) for s in items]
-        draft_probs = {}        # seq_id -> the draft model's distributions (k, V), sampled requests
-        speculating = [(item, table) for item, table in zip(items, tables) if item.draft_token_ids]
-        if self.draft is not None and speculating:   # the draft model fills in the drafts' tokens
-            draft_probs = self.draft.propose(
-                [i for i, _ in speculating], [t for _, t in speculating], self.block_manager.block_size,
-                self.sampler, self.generators,
-                lambda item, ahead: self.output_processor.banned_tokens(item.group, item.seq, ahead))
+        banned_of = self.output_processor.banned_tokens
+        # seq_id -> a draft model's distributions (k, V): it fills in the drafts' tokens now
+        draft_probs = (self.spec.fill_drafts(items, tables, self.block_manager.block_size, self.sampler,
+                                             self.generators, banned_of) if self.spec is not None else {})
         prompt_from = {}   # request -> first prompt position still needing logits (prompt_logprobs)
         for item in items:
             start = self.output_processor.prompt_logprobs_from(item.group) if item.is_prefill else None
@@ -311,15 +315,9 @@ class LLMEngine:
         beam_logprobs = to_host(log_softmax(logits[beam_rows].astype(np.float64), self.backend.xp))  # (beams, vocab)
         offset = len(model_input.sampled)           # the speculating rows follow the sampled ones
         verdicts = []                               # (item, drafts that stood, results to append)
-        for item in model_input.verify:
-            k = len(item.draft_token_ids)
-            accepted, verified = self.spec.verify(
-                logits[offset:offset + k + 1], item.group, item.seq, list(item.draft_token_ids), self.sampler,
-                self.generators[item.seq.seq_id],
-                lambda ahead, g=item.group, s=item.seq: self.output_processor.banned_tokens(g, s, ahead),
-                draft_probs.get(item.seq.seq_id))
-            verdicts.append((item, accepted, verified))
-            offset += k + 1
+        if model_input.verify:
+            verdicts, offset = self.spec.verify_rows(logits, offset, model_input.verify, self.sampler,
+                                                     self.generators, banned_of, draft_probs)
         prompt_results = []                         # the prompt rows come last
         for run in model_input.prompt_rows:
             m = run.token_ids.shape[0]
@@ -339,23 +337,8 @@ class LLMEngine:
         for (item, seq), result in zip((model_input.sampled[r] for r in sample_rows), results):
             self.output_processor.append(item.group, seq, result)
             touched[item.group.request_id] = item.group
-        num_emitted = 0
-        for item, accepted, verified in verdicts:
-            seq = item.seq
-            emitted = 0
-            for result in verified:           # the drafts that stood, then the model's own token
-                self.output_processor.append(item.group, seq, result)
-                emitted += 1
-                if seq.is_finished():
-                    break
-            num_emitted += emitted
-            self.spec.record(seq, len(item.draft_token_ids), accepted, emitted)
-            seq.num_computed_tokens = min(seq.num_computed_tokens + accepted, seq.num_tokens - 1)
-            # the draft's pool keeps only the positions that stood
-            seq.draft_num_computed_tokens = min(seq.draft_num_computed_tokens, seq.num_computed_tokens)
-            if not seq.is_finished():         # unmap the rejected drafts' slots (page-table rollback)
-                self.block_manager.rollback(seq, seq.num_computed_tokens)
-            touched[item.group.request_id] = item.group
+        num_emitted = (self.spec.commit(verdicts, self.output_processor.append, self.block_manager, touched)
+                       if verdicts else 0)
         beams: dict[str, list] = {}                                      # request -> [(seq, row)]
         for i, r in enumerate(beam_rows):
             item, seq = model_input.sampled[r]

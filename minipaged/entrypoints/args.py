@@ -97,6 +97,11 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
                         "minipaged's Numba kernels (decode steps on each weight's panels, made at load) and numpy's "
                         "BLAS; auto, with oneMKL installed, times both once per machine and model shape and gives "
                         "each kind of step (single-stream decode, batched decode, prefill) the faster")
+    g.add_argument("--kernels", default=None, choices=["fast", "simple"],
+                   help="the CPU's tier of kernels (kernels/ops.py): fast (registers, panels, oneMKL, one persistent "
+                        "decode kernel: kernels/fast/) or simple (one readable function per operation: "
+                        "kernels/simple.py, the one to read and change first); default $MINIPAGED_KERNELS, else "
+                        "fast; a GPU runs the CUDA kernels")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most log-probabilities a request may ask for per token (-1: no cap)")
@@ -123,7 +128,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 sparse_attention_budget=args.sparse_attention_budget,
                 speculative_config=args.speculative_config,
                 tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-                distributed_executor_backend=args.distributed_executor_backend, cpu_gemm=args.cpu_gemm)
+                distributed_executor_backend=args.distributed_executor_backend, cpu_gemm=args.cpu_gemm,
+                kernels=args.kernels)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float,

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import sys
 
-from ..engine.worker import WorkerError
+from ..engine.parallel.worker import WorkerError
 from ..model.errors import ModelFetchError, ModelFormatError
 from ..model.fetch import DEFAULT_MODEL, KNOWN_MODELS
 from ..sampling_params import OutputKind

@@ -24,7 +24,7 @@ from ..model.config import LlamaConfig
 from ..model.fetch import resolve_model
 from .bench_peers import run_peer
 from .bench_serve import bench_serve
-from .measure import run_workload
+from .measure import run_workload, steps_by_path
 from .report import memory_figures, plot_memory, print_result, print_roofline, print_table
 from .quality import check_quality_args, print_quality, run_quality
 from .roofline import check_roofline_args, matmul_peak, read_bandwidth, run_roofline, workload_floor
@@ -145,7 +145,7 @@ def runs_to_compare(workload: str, base: dict, cfg: dict) -> dict[str, dict]:
     return {"": base}
 
 
-def library_versions(cpu_gemm: str = "auto") -> dict:
+def library_versions(cpu_gemm: str = "auto", kernels: str | None = None) -> dict:
     """What ran the engine: the CPU, the libraries and the thread counts, and the ``cpu_gemm``
     asked for (the engine each kind of step took is in the result: ``linear_paths``), for the
     JSON report."""
@@ -156,14 +156,15 @@ def library_versions(cpu_gemm: str = "auto") -> dict:
     import numba  # noqa: PLC0415
     import numpy  # noqa: PLC0415
 
-    from ..kernels.packed_gemm import cpuinfo_field  # noqa: PLC0415
+    from ..config import default_kernels  # noqa: PLC0415
+    from ..kernels.fast.packed_gemm import cpuinfo_field  # noqa: PLC0415
 
     try:                                 # the CPU's linear layers use it when installed (--cpu-gemm)
         mkl = importlib.metadata.version("mkl")
     except importlib.metadata.PackageNotFoundError:
         mkl = None
     return {"cpu_vendor": cpuinfo_field("vendor_id"), "cpu_model": cpuinfo_field("model name"),
-            "cpu_count": os.cpu_count(), "cpu_gemm": cpu_gemm,
+            "cpu_count": os.cpu_count(), "cpu_gemm": cpu_gemm, "kernels": kernels or default_kernels(),
             "numpy": numpy.__version__, "numba": numba.__version__, "numba_threads": numba.get_num_threads(),
             "mkl": mkl, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS")}
 
@@ -195,7 +196,7 @@ def warm_up(engine: LLMEngine) -> None:
     run_workload(engine, [BenchRequest(p, 2) for p in make_prompts(2, 40, 40, vocab, 1)], progress=False)
     engine.metrics = Metrics()
     if engine.model is not None:
-        engine.model.steps_by_path.clear()
+        steps_by_path(engine.model).clear()
     engine.scheduler.reset_counters()
     if engine.block_manager.cache is not None:
         engine.block_manager.cache.queries = engine.block_manager.cache.hits = 0
@@ -215,7 +216,8 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
     if args.workload in own:
         run, show = own[args.workload]
         report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs,
-                  "versions": library_versions(engine_kwargs["cpu_gemm"]), **run(engine_kwargs, cfg)}
+                  "versions": library_versions(engine_kwargs["cpu_gemm"], engine_kwargs.get("kernels")),
+                  **run(engine_kwargs, cfg)}
         show(report)
         if args.out:
             with open(args.out, "w") as f:
@@ -264,7 +266,7 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
     if args.plot:
         plot_memory(histories, args.plot)
     report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs,
-              "versions": library_versions(engine_kwargs["cpu_gemm"])}
+              "versions": library_versions(engine_kwargs["cpu_gemm"], engine_kwargs.get("kernels"))}
     if len(results) > 1:
         # one section per configuration: "paged" / "contiguous" (memory), "caching on" / "caching off"
         report.update(results)

@@ -6,12 +6,13 @@ beside the engine's own counters (peak KV blocks, preemptions, prefix-cache hits
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from ..engine.beam_search import BeamSearchParams
-from ..kernels.linear_paths import KIND_NAMES, STEP_KINDS
+from ..kernels.fast.linear_paths import KIND_NAMES, STEP_KINDS
 from ..sampling_params import OutputKind, SamplingParams
 from .workloads import BenchRequest
 
@@ -102,7 +103,16 @@ def run_workload(engine, requests: list[BenchRequest], progress: bool = True) ->
         "num_preemptions_recompute": stats["num_preemptions_recompute"],
         "blocks_swapped_out": stats["blocks_swapped_out"],
         "linear_paths": paths_taken(engine),
+        "kernels": engine.backend.kernels,          # the tier that ran (kernels/ops.py)
     }
+
+
+def steps_by_path(model) -> Counter:
+    """The fast tier's count of the steps each (kind, engine) took (``FastState``); empty on a
+    tier that keeps none (the plain tier, the GPU's): a live counter, which a caller may clear."""
+    state = model.weights.tier_state
+    counter = getattr(state, "steps_by_path", None)
+    return counter if counter is not None else Counter()
 
 
 def paths_taken(engine) -> str | None:
@@ -112,6 +122,8 @@ def paths_taken(engine) -> str | None:
     model = engine.model
     if model is None or engine.backend.device != "cpu":
         return None
+    if engine.backend.kernels == "simple":
+        return "BLAS (the plain tier)"
     order = {kind: i for i, kind in enumerate(STEP_KINDS)}
-    taken = sorted(model.steps_by_path.items(), key=lambda item: order[item[0][0]])
+    taken = sorted(steps_by_path(model).items(), key=lambda item: order[item[0][0]])
     return ", ".join(f"{KIND_NAMES[kind]} {path} x {n}" for (kind, path), n in taken) or "no steps"

@@ -4,7 +4,7 @@ figures and its picture of the KV pool over time (matplotlib, the ``plot`` extra
 
 from __future__ import annotations
 
-from ..kernels.linear_paths import LinearPaths
+from ..kernels.fast.linear_paths import LinearPaths
 from ..memory.fragmentation import summarize
 
 
@@ -81,8 +81,10 @@ def print_roofline(report: dict) -> None:
         print("  (the better of two probes, start and end: "
               + ", ".join(f"{p['matmul_peak'] / 1e9:.0f} / {p['read_bandwidth'] / 1e9:.1f}" for p in m["probes"])
               + " GFLOP/s / GB/s)")
-    if report.get("linear_paths"):
-        print(f"  linear layers (kernels/linear_paths.py): {LinearPaths(**report['linear_paths']).describe()}")
+    if report.get("kernels"):
+        print(f"  kernels (kernels/ops.py): the {report['kernels']} tier")
+    if report.get("linear_paths") and report.get("kernels") != "simple":   # the plain tier: BLAS throughout
+        print(f"  linear layers (kernels/fast/linear_paths.py): {LinearPaths(**report['linear_paths']).describe()}")
     parts = ("matmuls", "lm_head", "attention", "other_kernels", "persistent", "sampler", "python")
     head = "  ".join(f"{p:>13}" for p in parts)
     print(f"  {'decode':>8} {'path':>5} {'ctx':>5} {'step ms':>8} {'bound ms':>8} {'ratio':>6} {'serial':>7} {'s.rat':>6} "

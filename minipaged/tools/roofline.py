@@ -38,6 +38,7 @@ import numpy as np
 
 from ..engine.llm_engine import LLMEngine
 from ..sampling_params import SamplingParams
+from .measure import steps_by_path
 from .workloads import make_prompts
 
 # --------------------------------------------------------------------------- the machine
@@ -72,7 +73,7 @@ def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
 def read_bandwidth(nbytes: int | None = None, repeats: int = 3) -> float:
     """Bytes/s of a streaming sum over ``nbytes`` (default: 4x the last-level cache, at least
     1 GiB), on all the cores the kernels use (best of ``repeats``)."""
-    from ..kernels.cpu import stream_sum  # noqa: PLC0415  (Numba compiles on first use)
+    from ..kernels.fast.elementwise import stream_sum  # noqa: PLC0415  (Numba compiles on first use)
 
     nbytes = nbytes or max(4 * last_level_cache_bytes(), 1 << 30)
     data = np.ones(nbytes // 4, dtype=np.float32)       # (nbytes / 4,)
@@ -176,33 +177,38 @@ def workload_floor(engine: LLMEngine, prompt_lens: list[int], output_len: int, m
 # A decode step's layers and LM head run as one persistent kernel (kernels/persistent_decode.py):
 # their products, attention and small kernels share one call, timed as "persistent" (0 in other
 # steps). So each such row is timed a second time layer by layer, kernel by kernel, for the split.
-CATEGORY = {"linear": "matmuls", "paged_attention": "attention", "plan_attention": "attention",
+CATEGORY = {"linear": "matmuls", "paged_attention": "attention", "plan_step": "attention",
             "rms_norm": "other_kernels", "rotary": "other_kernels", "silu_and_mul": "other_kernels",
-            "write_kv": "other_kernels", "decode_layers": "persistent"}
+            "write_kv": "other_kernels", "decode_step": "persistent"}
 PARTS = ("matmuls", "lm_head", "attention", "other_kernels", "persistent", "sampler", "python")
 
 
 class TimedOps:
-    """The model's kernel namespace with a stopwatch on every call (CPU kernels are
+    """The model's tier of kernels with a stopwatch on every call (CPU kernels are
     synchronous, so a call's wall time is its cost). The LM head's product is counted
-    apart from the layers' products."""
+    apart from the layers' products. ``layer_by_layer``: the tier's whole-step call
+    (``decode_step``) declines, so the same step runs kernel by kernel."""
 
     def __init__(self, ops, lm_head) -> None:
         self._ops = ops
         self._lm_head = lm_head
         self.xp = ops.xp
+        self.name = ops.name
+        self.layer_by_layer = False
         self.seconds: dict[str, float] = defaultdict(float)
 
     def __getattr__(self, name):
         fn = getattr(self._ops, name)
         if not callable(fn):
             return fn
+        if name == "decode_step" and self.layer_by_layer:
+            return lambda *args, **kwargs: None
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
             result = fn(*args, **kwargs)
             label = "lm_head" if name == "linear" and args[1] is self._lm_head else CATEGORY.get(name, "other_kernels")
-            if name == "decode_layers" and result is None:   # declined: the layers run kernel by kernel
+            if name == "decode_step" and result is None:   # declined: the layers run kernel by kernel
                 label = "other_kernels"
             self.seconds[label] += time.perf_counter() - start
             return result
@@ -215,7 +221,7 @@ class StepProfiler:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         model = engine.runner.model
-        self.ops = TimedOps(model.ops, model.lm_head)
+        self.ops = TimedOps(model.ops, model.weights.lm_head)
         self.forward_seconds = 0.0
         self.sampler_seconds = 0.0
         runner_execute, sampler = engine.runner.execute, engine.sampler
@@ -266,7 +272,7 @@ class StepProfiler:
 def _paths_since(engine: LLMEngine, before: dict) -> str:
     """The engine ("numba" or "mkl", kernels/linear_paths.py) of the linear layers of the steps
     run since ``before`` (a copy of the model's ``steps_by_path``): both, joined, if they differ."""
-    now = engine.runner.model.steps_by_path
+    now = steps_by_path(engine.runner.model)
     return "+".join(sorted({path for (kind, path), n in now.items() if n > before.get((kind, path), 0)}))
 
 
@@ -283,14 +289,13 @@ def _layer_by_layer(engine: LLMEngine, profiler: StepProfiler, steps: int, machi
     """A warm-up step and ``steps`` timed steps more with the persistent kernel off (the
     model's layers one kernel at a time, the same floats): their step time, its split into the
     kernels' parts, and their own cost and bound (their contexts are longer by then)."""
-    model = engine.runner.model
-    stack, model.persistent = model.persistent, None
+    profiler.ops.layer_by_layer = True
     try:
         engine.step()                                  # warm-up: the layer path's kernels
         contexts = [g.seqs[0].num_computed_tokens + 1 for g in engine.scheduler.running]
         total = _timed_steps(engine, profiler, steps)
     finally:
-        model.persistent = stack
+        profiler.ops.layer_by_layer = False
     return _decode_row(engine, machine, contexts, total, steps, profiler.breakdown(total, steps))
 
 
@@ -331,7 +336,7 @@ def measure_decode(engine: LLMEngine, machine: dict, batch_sizes: list[int], con
             engine.step()                                  # warm-up at this size
             running = list(engine.scheduler.running)
             contexts = [g.seqs[0].num_computed_tokens + 1 for g in running]   # after this step's token
-            before = dict(engine.runner.model.steps_by_path)
+            before = dict(steps_by_path(engine.runner.model))
             total = _timed_steps(engine, profiler, steps)
             path = _paths_since(engine, before)
             breakdown = profiler.breakdown(total, steps)
@@ -377,7 +382,7 @@ def measure_prefill(engine: LLMEngine, machine: dict, prefill_lens: list[int], r
                 engine.add_request(f"prefill-{length}-{r}", prompt,
                                    SamplingParams(temperature=0.0, max_tokens=1, detokenize=False))
                 profiler.reset()
-                before = dict(engine.runner.model.steps_by_path)
+                before = dict(steps_by_path(engine.runner.model))
                 start = time.perf_counter()
                 engine.step()
                 total = time.perf_counter() - start
@@ -463,5 +468,6 @@ def run_roofline(engine_kwargs: dict, cfg: dict, progress=print) -> dict:
             _set_bounds(timed, machine)
         if "fraction_of_peak" in row:
             row["fraction_of_peak"] = row["flops"] / row["step_s"] / machine["matmul_peak"]
-    return {"machine": machine, "linear_paths": engine.runner.model.linear_paths.as_dict(), "decode": decode,
+    return {"machine": machine, "kernels": engine.backend.kernels, "linear_paths": engine.backend.linear_paths.as_dict(),
+            "decode": decode,
             "prefill": prefill}

@@ -34,15 +34,16 @@ import weakref
 
 import numpy as np
 
-from ..config import CacheConfig, ConfigError, ParallelConfig
-from ..kernels.layout import AttentionMetadata
-from ..kernels.linear_paths import LinearPaths
-from ..model.config import LlamaConfig
-from ..model.sharding import ShardSpec
-from ..model.weights import load_checkpoint
-from .backend import Backend, select_backend
-from .cache_engine import cpu_pool_blocks, profile_gpu_num_blocks, swap_pool_blocks
-from .model_runner import ForwardInput
+from ...config import CacheConfig, ConfigError, ParallelConfig
+from ...kernels.layout import AttentionMetadata
+from ...kernels.fast.linear_paths import LinearPaths
+from ...kernels.fast.tuning import DEFAULT_TUNING
+from ...model.config import LlamaConfig
+from ...model.sharding import ShardSpec
+from ...model.weights import load_checkpoint
+from ..backend import Backend, select_backend
+from ..cache_engine import cpu_pool_blocks, profile_gpu_num_blocks, swap_pool_blocks
+from ..model_runner import ForwardInput
 from .worker import Worker, WorkerError
 
 PLACEMENT_TIMEOUT_S = 120.0     # how long the cluster may take to find room for every worker
@@ -109,7 +110,8 @@ class WorkerActor:
 
     def __init__(self, shard: ShardSpec, model_dir: str, model_config: LlamaConfig, cache_config: CacheConfig,
                  device: str, dtype: str, max_model_len: int, max_num_batched_tokens: int,
-                 cpu_gemm: str = "auto", linear_paths: LinearPaths | None = None) -> None:
+                 cpu_gemm: str = "auto", linear_paths: LinearPaths | None = None,
+                 kernels: str = "fast", tuning=None) -> None:
         self.max_model_len, self.max_num_batched_tokens = max_model_len, max_num_batched_tokens
         self.group: NcclGroup | None = None
         self.seconds = {"unpack": 0.0, "compute": 0.0}   # where this worker's step time went
@@ -117,7 +119,8 @@ class WorkerActor:
         # bad checkpoint, say) to the driver, but a failed constructor only as "the actor died".
         self.load_error: Exception | None = None
         try:
-            self.backend = select_backend(device, dtype, cpu_gemm, linear_paths)   # the driver's engines
+            self.backend = select_backend(device, dtype, cpu_gemm, linear_paths, kernels,
+                                          tuning or DEFAULT_TUNING)   # the driver's
             self.worker = Worker(shard, model_config, load_checkpoint(model_dir), cache_config, self.backend,
                                  max_model_len)
         except Exception as err:  # noqa: BLE001 (handed to the driver as it is)
@@ -246,7 +249,9 @@ class RayExecutor:
                 stage.append(actor.options(**options, scheduling_strategy=strategy, max_concurrency=1).remote(
                     ShardSpec(t, tp, p, pp), str(model_dir), model_config, cache_config, backend.device,
                     "float32" if backend.dtype == np.float32 else "float16", max_model_len,
-                    max_num_batched_tokens, backend.cpu_gemm, backend.linear_paths))
+                    max_num_batched_tokens, backend.cpu_gemm, backend.linear_paths,
+                    "fast" if backend.kernels == "cuda" else backend.kernels,
+                    getattr(backend.ops, "tuning", None)))
             self.stages.append(stage)
         self.actors.extend(a for stage in self.stages for a in stage)
         try:                                 # a bad model or budget: its own error, as with uni

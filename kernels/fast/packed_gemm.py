@@ -15,7 +15,7 @@ runtime Numba's threaded kernels already use (libgomp), so its products share th
 pool and its spin setting (``minipaged/boot.py``): no third pool busy-waits on the cores.
 
 Without MKL (not installed, not x86-64, or ``cpu_gemm="numba"``), ``load_packed_gemm`` returns
-None and ``kernels/cpu.py`` ``linear`` keeps its own kernels. With it, which kinds of step it
+None and ``linear.py`` keeps its own kernels. With it, which kinds of step it
 multiplies is ``kernels/linear_paths.py``'s choice: timed on the machine under
 ``cpu_gemm="auto"`` (``minipaged/engine/linear_calibration.py``), every step with "mkl". The
 NumPy product ``x @ w.T`` is the spec both are tested against.
@@ -121,9 +121,10 @@ class PackedGemm:
                                    w.ctypes.data, k, buffer.ctypes.data)
         return PackedWeight(self, buffer, n, k)
 
-    def pack_if_worth_it(self, w: np.ndarray) -> PackedWeight | None:
-        """``pack(w)`` for a float32 weight of at least MIN_PACKED_ELEMENTS elements, else None."""
-        return self.pack(w) if w.dtype == np.float32 and w.size >= MIN_PACKED_ELEMENTS else None
+    def pack_if_worth_it(self, w: np.ndarray, min_elements: int = MIN_PACKED_ELEMENTS) -> PackedWeight | None:
+        """``pack(w)`` for a float32 weight of at least ``min_elements`` elements (the fast tier's
+        ``FastTuning.min_packed_elements``), else None."""
+        return self.pack(w) if w.dtype == np.float32 and w.size >= min_elements else None
 
     def matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
         """x (T, in) @ w.T -> (T, out) float32."""

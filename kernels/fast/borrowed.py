@@ -13,7 +13,10 @@ bare views), which is why ``_panel_product`` compiled well while the same loops 
 serial function, the persistent decode kernel's product tasks, ran 4x slower at 8 rows
 (docs/benchmarks.md). ``borrowed(a)`` gives such a view anywhere: the same data, shape and
 strides, no meminfo, so LLVM drops every count on it. The caller must keep ``a`` alive while
-the view is used, as the serial function that received ``a`` as an argument does.
+the view is used, as the serial function that received ``a`` as an argument does: a view stays
+a local of the function that borrowed it, passed down to the helpers it calls, never returned,
+yielded or stored (``tests/test_persistent_decode.py`` reads every kernel that borrows one and
+fails where a view could leave).
 
     borrowed(a)   a (NumPy: the same array; nothing is copied)
 """

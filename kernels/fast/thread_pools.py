@@ -35,9 +35,7 @@ def settle_numba_layer() -> None:
     harmless: ``numba.threading_layer()`` says which layer runs)."""
     import sys  # noqa: PLC0415
 
-    from .. import boot  # noqa: PLC0415
-
-    wanted = boot.THREAD_ENV.get("NUMBA_THREADING_LAYER_PRIORITY")
+    wanted = os.environ.get("NUMBA_THREADING_LAYER_PRIORITY")   # boot.py's, or the user's own
     numba = sys.modules.get("numba")
     if wanted and numba is not None and numba.config.THREADING_LAYER_PRIORITY != wanted.split():
         numba.config.THREADING_LAYER_PRIORITY = wanted.split()

@@ -1,7 +1,7 @@
 """e^x with additions and multiplications only, so that a loop of it vectorises (the kernels'
 own math library, as an OS carries its own small libc routines rather than call out).
 
-Used by the CPU kernels' softmaxes and SiLU (``kernels/cpu.py``) and by the prompt attention
+Used by the CPU kernels' softmaxes and SiLU (``attention_loop.py``, ``elementwise.py``) and by the prompt attention
 kernel (``kernels/prompt_attention.py``). Spec: ``kernels/reference.py`` ``exp``.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .kv_quant import _float_from_bits
+from ..kv_quant import _float_from_bits
 
 # Numba calls the C library's expf one value at a time (~2.3 ns here: LLVM has no vector
 # exp to put in its place), which made exp the slowest part of the softmax and of SiLU.

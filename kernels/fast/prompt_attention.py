@@ -2,7 +2,7 @@
 page-table walk again, now for a process that touches many addresses at once: each page is
 fetched once per tile of queries and serves all of them).
 
-Decodes and short prompts go to ``kernels/cpu.py``'s paged kernels; a sequence with many
+Decodes and short prompts go to the paged kernels (``attention.py``); a sequence with many
 queries over a long context (a long prompt, a big chunk) came to two BLAS products per KV head,
 on its blocks gathered into a contiguous copy. With an inner dimension of head_dim (64) the
 first product is short for BLAS, and the (queries, context) scores went through memory three

@@ -27,19 +27,19 @@ import dataclasses
 
 import numpy as np
 
-from ..config import CacheConfig, ConfigError
-from ..kernels.layout import AttentionMetadata
-from ..kernels.linear_paths import LinearPaths
-from ..model.config import LlamaConfig
-from ..model.fetch import resolve_model
-from ..model.llama import LlamaModel
-from ..model.tokenizer import Tokenizer
-from ..model.weights import load_checkpoint
-from ..scheduler.scheduler import ScheduledSeq
-from .cache_engine import CacheEngine, block_bytes
-from .linear_calibration import packs_anything
+from ...config import CacheConfig, ConfigError
+from ...kernels.layout import AttentionMetadata
+from ...kernels.fast.linear_paths import LinearPaths
+from ...model.config import LlamaConfig
+from ...model.fetch import resolve_model
+from ...model.llama import LlamaModel
+from ...model.tokenizer import Tokenizer
+from ...model.weights import load_checkpoint
+from ...scheduler.scheduler import ScheduledSeq
+from ..cache_engine import CacheEngine, block_bytes
+from ..linear_calibration import packs_anything
 from .rejection_sampler import draw
-from .sampler import SampleRequest, shaped_probs, to_host
+from ..sampler import SampleRequest, shaped_probs, to_host
 
 
 def load_draft_config(model: str, target_config, target_tokenizer, max_model_len: int):
@@ -80,8 +80,9 @@ class DraftModel:
         # the target's engines, timed on the target's shape; a draft of which oneMKL would pack
         # no weight runs ours throughout (its "mkl" steps would multiply nothing packed)
         paths = backend.linear_paths if packs_anything(config) else LinearPaths.every("numba")
-        self.model = LlamaModel(config, load_checkpoint(model_dir), ops, dtype, max_positions=max_model_len,
-                                gemm=backend.gemm if "mkl" in paths.used() else None, linear_paths=paths)
+        if paths != backend.linear_paths:    # the fast tier's, with the draft's own engines
+            ops = ops.with_paths(paths, backend.gemm if "mkl" in paths.used() else None)
+        self.model = LlamaModel(config, load_checkpoint(model_dir), ops, dtype, max_positions=max_model_len)
         self.ops, self.dtype = ops, dtype
         self.max_tokens_per_pass = max_tokens_per_pass
         self.cache: CacheEngine | None = None

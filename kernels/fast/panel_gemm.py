@@ -22,7 +22,7 @@ Rows are padded with zeros to a multiple of 4 (tiles of 8 with AVX-512, or pairs
 6 with AVX2, then tiles of 4; a single row has its own loop): at 2-3 rows the product is
 bound by reading the weight, and four rows read it no slower than one. The NumPy product
 ``x @ w.T`` (``kernels/reference.py`` ``linear``) is the spec (``tests/test_panel_gemm.py``).
-Prefills (more than ``kernels/cpu.py`` PANEL_MAX_ROWS rows) stay with BLAS's gemm on the
+Prefills (more than ``FastTuning.panel_max_rows`` rows) stay with BLAS's gemm on the
 checkpoint's layout, which reuses x across panels in its caches; the panels are a second
 copy of every weight, resident beside it.
 """

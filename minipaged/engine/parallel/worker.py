@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import CacheConfig
-from ..model.config import LlamaConfig
-from ..model.llama import LlamaModel
-from ..model.sharding import ShardSpec, shard_config, shard_tensors
-from .backend import Backend
-from ..kernels.kv_quant import KV_INT8
-from .cache_engine import CacheEngine, block_bytes
-from .model_runner import ForwardInput, ModelRunner
+from ...config import CacheConfig
+from ...model.config import LlamaConfig
+from ...model.llama import LlamaModel
+from ...model.sharding import ShardSpec, shard_config, shard_tensors
+from ..backend import Backend
+from ...kernels.kv_quant import KV_INT8
+from ..cache_engine import CacheEngine, block_bytes
+from ..model_runner import ForwardInput, ModelRunner
 
 
 class WorkerError(RuntimeError):
@@ -43,8 +43,7 @@ class Worker:
                                "(engine/linear_calibration.py settle_linear_paths)")
         self.config = shard_config(model_config, shard)          # this worker's heads, columns, layers
         self.model = LlamaModel(self.config, shard_tensors(tensors, model_config, shard), backend.ops,
-                                backend.dtype, max_positions=max_model_len, shard=shard, gemm=backend.gemm,
-                                linear_paths=backend.linear_paths)
+                                backend.dtype, max_positions=max_model_len, shard=shard)
         self.runner = ModelRunner(self.model)
         self.cache: CacheEngine | None = None                    # after init_cache
         self.bytes_per_block = block_bytes(self.config, cache_config, backend.dtype)   # one frame here

@@ -3,7 +3,7 @@
 The analogy is a busy-polling driver (Linux's NAPI, DPDK's poll-mode drivers): at high rates
 an interrupt per packet costs more than the packet, so the driver keeps its cores and polls
 for work. A decode step is ~120 matrix products and ~200 small kernels, each a parallel region
-of its own when run one by one (``kernels/cpu.py``): each wakes the thread pool, splits its
+of its own when run one by one (``ops.py``, layer by layer): each wakes the thread pool, splits its
 work evenly and joins, and between two regions the memory bus idles while Python calls the
 next. One sequence's step reads every weight once (538 MB for SmolLM2), so it is bound by
 memory, and an idle bus is time lost for good; a larger batch's small kernels and region
@@ -12,7 +12,7 @@ starts add up too.
 Here the threads enter one region for all the layers (and the LM head, where this worker
 holds it) and leave at the end. The step is a fixed list of **phases**: each product (qkv, o,
 gate/up, down, the head) is a phase of tasks, a run of its weight's panels each (about
-TASK_BYTES); the work between products (norms, rotary, the KV write, SiLU, the residual adds)
+``layer_stack.TASK_BYTES``); the work between products (norms, rotary, the KV write, SiLU, the residual adds)
 is a phase of one task a token (merging split attention, of one task); attention is a phase
 of the plan's work items. A thread
 **claims** a phase's next task by adding one to a counter (``kernels/atomics.py``), runs it,
@@ -30,7 +30,9 @@ step's products at 8 rows took 22.6 ms against 19.5 layer by layer (docs/benchma
 
 No thread waits for another to start: a task, once claimed, is run by the thread that
 claimed it without waiting for anything (nor raising: every kernel it calls is compiled with
-NumPy's error model, and non-finite hidden states are reported after the region), so the
+NumPy's error model and ``guarded``, so that a task that fails, an allocation say, marks the
+step failed, every thread leaves the region at once and ``run`` raises; non-finite hidden
+states are reported after the region), so the
 step completes whether the region's iterations run on many threads at once or one after
 another on a single one (a threading layer may do either). And the threads take tasks as
 they free up: a core that the host lends elsewhere for a while leaves its share to the other.
@@ -39,13 +41,13 @@ Each task calls the very kernels the layer-by-layer path calls, in the same orde
 values, so the step's logits are the same floats (``tests/test_persistent_decode.py``): the
 panels' own loops ``panel_gemm.panel_rows`` (on views that count no references,
 ``kernels/borrowed.py``: counted, the loops of 8 rows and more ran 4x slower here), and the
-kernels ``kernels/cpu.py`` binds this one to (``compile_kernel``): the serial compilations
+kernels ``ops.py`` binds this one to (``compile_kernel``): the serial compilations
 (``two_ways(...).serial``) of its norms, rotary, KV write and SiLU, each over one token's row,
 and its register attention kernel over one work item. The layer-by-layer forward of
 ``model/llama.py`` is this kernel's spec.
 
-It runs where all of that holds (``usable``, and ``cpu.decode_layers``): as many new tokens as
-the layer-by-layer path multiplies on the panels (``cpu.PANEL_MAX_ROWS``: decodes of up to 128
+It runs where all of that holds (``usable``, and ``ops.decode_layers``): as many new tokens as
+the layer-by-layer path multiplies on the panels (``FastTuning.panel_max_rows``: decodes of up to 128
 sequences, or short prompt chunks beside them), every one read by the paged attention kernel,
 float32 weights with their panels, a float32 KV cache the register attention kernel reads, no
 block-sparse attention, no tensor-parallel split. Rows are padded with zeros to a multiple of
@@ -55,22 +57,18 @@ block-sparse attention, no tensor-parallel split. Rows are padded with zeros to 
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
 
 import numpy as np
 from numba import njit, prange
 
 from .atomics import fetch_add, load_acquire, spin_pause
 from .borrowed import borrowed
-from .kv_quant import KV_FLOAT
-from .panel_gemm import PANEL, ROW_TILE, PanelWeight, panel_rows
+from .compile import guarded
+from ..kv_quant import KV_FLOAT
+from .layer_stack import LayerStack
+from .panel_gemm import PANEL, ROW_TILE, panel_rows
 from .simd import LANES, SIMD_CACHE, prefetch
 
-# Bytes of a weight's panels in one product task: small enough that the two threads end a
-# product together (the last task is short), large enough that claiming one (an atomic add)
-# is rare: with AVX2's 16-wide panels, 3 of a 576-wide weight, 1 of a
-# 1536-wide one (with AVX-512's 32-wide panels, 1 of either).
-TASK_BYTES = 128 << 10
 # How much of the next weight a polling thread asks for ahead: while the other thread runs
 # attention (~50 us at a 256-token context) one core streams ~1 MB; more would be evicted from
 # the caches before the product reads it.
@@ -82,60 +80,20 @@ PHASES_PER_LAYER = 10
 CACHE = SIMD_CACHE
 
 
-@dataclass(frozen=True)
-class LayerStack:
-    """The layers' weights as the kernel reads them, made once per model (``stack``)."""
-
-    input_norms: np.ndarray   # (L, hidden) float32
-    post_norms: np.ndarray    # (L, hidden) float32
-    qkv: tuple                # L flat (panels * hidden * PANEL,) float32 panels of qkv
-    o: tuple                  # L flat panels of o_proj, (panels * q_size * PANEL,)
-    gate_up: tuple            # L flat panels of gate/up, (panels * hidden * PANEL,)
-    down: tuple               # L flat panels of down, (panels * ffn * PANEL,)
-    widths: np.ndarray        # (5,) int64 padded output features: qkv, o, gate_up, down, the LM head
-    per_task: np.ndarray      # (5,) int64 panels in one task of each
-    q_size: int
-    kv_size: int
-    ffn: int
-    final_norm: np.ndarray    # (hidden,) float32 the model's last norm (zeros without a head)
-    head: np.ndarray          # flat panels of the LM head, (panels * hidden * PANEL,); (0,) without
-    vocab_size: int           # the head's output features (0 without a head)
-
-    @property
-    def has_head(self) -> bool:
-        return self.vocab_size > 0
-
-
-def stack(layers, packed, final_norm: np.ndarray | None = None, head: PanelWeight | None = None) -> LayerStack | None:
-    """The LayerStack of a model's ``layers`` (LayerWeights) and ``packed`` (PackedLayer), with
-    its ``final_norm`` and LM head's panels ``head`` where this worker holds them; None where a
-    layer's products have no float32 panels (oneMKL's packing, a GPU)."""
-    kinds = ("qkv", "o", "gate_up", "down")
-    if not layers or not all(isinstance(getattr(p, kind), PanelWeight) for p in packed for kind in kinds):
-        return None
-    panels = [[getattr(p, kind) for p in packed] for kind in kinds]
-    if any(len({(w.out_features, w.in_features) for w in ws}) != 1 for ws in panels):
-        return None   # layers of different shapes: not one kernel's tuples
-    first = [ws[0] for ws in panels]
-    hidden = first[0].in_features
-    if not isinstance(head, PanelWeight) or final_norm is None or head.in_features != hidden:
-        head, final_norm = None, None
-    weights = first + ([head] if head is not None else [])
-    widths = np.array([w.data.shape[0] * PANEL for w in weights] + [0] * (head is None), np.int64)
-    per_task = np.array([max(1, TASK_BYTES // (w.in_features * PANEL * 4)) for w in weights] + [1] * (head is None),
-                        np.int64)
-    qkv, o, _, down = first
-    kv_size = (qkv.out_features - o.in_features) // 2
-    return LayerStack(np.stack([layer.input_norm for layer in layers]).astype(np.float32),
-                      np.stack([layer.post_norm for layer in layers]).astype(np.float32),
-                      *(tuple(w.data.reshape(-1) for w in ws) for ws in panels),
-                      widths, per_task, o.in_features, kv_size, down.in_features,
-                      np.zeros(hidden, np.float32) if final_norm is None else np.asarray(final_norm, np.float32),
-                      np.zeros(0, np.float32) if head is None else head.data.reshape(-1),
-                      0 if head is None else head.out_features)
-
-
 # --------------------------------------------------------------------------- claiming and polling
+
+@njit(inline="always", cache=CACHE)
+def _failed(ctr):
+    """Whether a task of this step has failed (the last row of ``ctr``: ``_fail``)."""
+    return load_acquire(ctr[ctr.shape[0] - 1], 0) != 0
+
+
+@njit(cache=CACHE)
+def _fail(ctr):
+    """Mark the step failed: every claim then finds no task and every wait ends, so each thread
+    leaves the region; ``run`` raises."""
+    fetch_add(ctr[ctr.shape[0] - 1], 0, 1)
+
 
 @njit(cache=CACHE)   # not inlined: bound to the prange index, its r would overwrite it
 def _claim(ctr, phase, tasks, r):
@@ -148,6 +106,8 @@ def _claim(ctr, phase, tasks, r):
     row = ctr[phase]
     ranges = row.shape[0] // LINE - 1
     r = np.int64(r)                # (a prange index may come unsigned)
+    if _failed(ctr):               # a task failed: nothing more is run
+        return tasks, r
     for _ in range(ranges):
         task = r * tasks // ranges + fetch_add(row, LINE * (r + 1), 1)
         if task < (r + 1) * tasks // ranges:
@@ -166,7 +126,7 @@ def _wait(ctr, phase, tasks, ahead, cursor, limit):
     """Poll until the phase's ``tasks`` are done; meanwhile ask for the lines of ``ahead`` (the
     next weight) from byte ``cursor`` up to ``limit``. Returns the cursor reached."""
     row = ctr[phase]
-    while load_acquire(row, 0) < tasks:
+    while load_acquire(row, 0) < tasks and not _failed(ctr):
         if cursor < limit:
             prefetch(ahead, cursor)
             cursor += 64
@@ -226,8 +186,8 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
     keeps a zero row zero. The phases of layer l are 1 + 10 l + (0..9), phase 0 is layer 0's
     input norm; ``with_head``: the last layer's phase 9 also takes the final norm into x, and
     phase 1 + 10 L multiplies it by the LM head's panels head_w into logits (R x padded vocab,).
-    ctr: (2 + 10 L, (num_threads + 1) * LINE) zeros, a row a phase (``_claim``); iteration
-    ``it`` of the region starts each phase in its own range."""
+    ctr: (3 + 10 L, (num_threads + 1) * LINE) zeros, a row a phase (``_claim``), the last one the
+    step's failure mark (``_fail``); iteration ``it`` of the region starts each phase in its own range."""
     num_layers = input_norms.shape[0]
     q_size, kv_size = q.shape[1] * q.shape[2], k.shape[1] * k.shape[2]
     tokens, rows = q.shape[0], x.shape[0]
@@ -238,7 +198,8 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
         # phase 0: layer 0's input norm, a token a task, while the others ask for layer 0's qkv
         t, r = _claim(ctr, 0, tokens, it)
         while t < tokens:
-            RMS_NORM(hidden[t:t + 1], input_norms[0], eps, x[t:t + 1])
+            if not RMS_NORM(hidden[t:t + 1], input_norms[0], eps, x[t:t + 1]):
+                _fail(ctr)
             _done(ctr, 0)
             t, r = _claim(ctr, 0, tokens, r)
         cursor = _wait(ctr, 0, tokens, qkv_w[0], 0, _limit(qkv_w[0]))
@@ -259,27 +220,30 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
                 for i in range(kv_size):
                     k[t, i // k.shape[2], i % k.shape[2]] = qkv_out[row + q_size + i]
                     v[t, i // v.shape[2], i % v.shape[2]] = qkv_out[row + q_size + kv_size + i]
-                ROTARY(q[t:t + 1], positions[t:t + 1], cos, sin)
-                ROTARY(k[t:t + 1], positions[t:t + 1], cos, sin)
-                WRITE_KV(k_cache, v_cache, k[t:t + 1], v[t:t + 1], slot_mapping[t:t + 1], KV_FLOAT, no_scales,
-                         no_scales)
+                if not (ROTARY(q[t:t + 1], positions[t:t + 1], cos, sin)
+                        and ROTARY(k[t:t + 1], positions[t:t + 1], cos, sin)
+                        and WRITE_KV(k_cache, v_cache, k[t:t + 1], v[t:t + 1], slot_mapping[t:t + 1], KV_FLOAT,
+                                     no_scales, no_scales)):
+                    _fail(ctr)
                 _done(ctr, base + 1)
                 t, r = _claim(ctr, base + 1, tokens, r)
             cursor = _wait(ctr, base + 1, tokens, o_w[layer], cursor, _limit(o_w[layer]))
             # 2. attention: the plan's work items, one a task
             task, r = _claim(ctr, base + 2, items.shape[0], it)
             while task < items.shape[0]:
-                ATTENTION(q, k_flat, v_flat, block_stride, head_stride, token_stride, block_size,
-                          num_kv_heads, block_tables, seq_lens, query_start_loc, scale,
-                          items[task:task + 1], 1, no_bounds, no_bounds, 0, part_acc, part_max,
-                          part_sum, attn)
+                if not ATTENTION(q, k_flat, v_flat, block_stride, head_stride, token_stride, block_size,
+                                 num_kv_heads, block_tables, seq_lens, query_start_loc, scale,
+                                 items[task:task + 1], 1, no_bounds, no_bounds, 0, part_acc, part_max,
+                                 part_sum, attn):
+                    _fail(ctr)            # its scratch could not be allocated, say
                 _done(ctr, base + 2)
                 task, r = _claim(ctr, base + 2, items.shape[0], r)
             cursor = _wait(ctr, base + 2, items.shape[0], o_w[layer], cursor, _limit(o_w[layer]))
             # 3. the split items' partial sums merged (a long context cut over the threads)
             if merges.shape[0]:
                 if _claim(ctr, base + 3, 1, it)[0] == 0:
-                    MERGE(part_acc, part_max, part_sum, merges, query_start_loc, q.shape[1], attn)
+                    if not MERGE(part_acc, part_max, part_sum, merges, query_start_loc, q.shape[1], attn):
+                        _fail(ctr)
                     _done(ctr, base + 3)
                 cursor = _wait(ctr, base + 3, 1, o_w[layer], cursor, _limit(o_w[layer]))
             # 4. out = attn @ o.T
@@ -290,7 +254,8 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
             t, r = _claim(ctr, base + 5, tokens, it)
             while t < tokens:
                 _add_row(hidden, o_out, widths[1], t)
-                RMS_NORM(hidden[t:t + 1], post_norms[layer], eps, x[t:t + 1])
+                if not RMS_NORM(hidden[t:t + 1], post_norms[layer], eps, x[t:t + 1]):
+                    _fail(ctr)
                 _done(ctr, base + 5)
                 t, r = _claim(ctr, base + 5, tokens, r)
             cursor = _wait(ctr, base + 5, tokens, gate_up_w[layer], cursor, _limit(gate_up_w[layer]))
@@ -301,7 +266,8 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
             # 7. g = silu(gate) * up, a token a task
             t, r = _claim(ctr, base + 7, tokens, it)
             while t < tokens:
-                SILU_AND_MUL(gu[t:t + 1], g[t:t + 1])
+                if not SILU_AND_MUL(gu[t:t + 1], g[t:t + 1]):
+                    _fail(ctr)
                 _done(ctr, base + 7)
                 t, r = _claim(ctr, base + 7, tokens, r)
             cursor = _wait(ctr, base + 7, tokens, down_w[layer], cursor, _limit(down_w[layer]))
@@ -316,10 +282,13 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
             t, r = _claim(ctr, base + 9, tokens, it)
             while t < tokens:
                 _add_row(hidden, d_out, widths[3], t)
+                ok = True
                 if not last:
-                    RMS_NORM(hidden[t:t + 1], input_norms[layer + 1], eps, x[t:t + 1])
+                    ok = RMS_NORM(hidden[t:t + 1], input_norms[layer + 1], eps, x[t:t + 1])
                 elif with_head:
-                    RMS_NORM(hidden[t:t + 1], final_norm, eps, x[t:t + 1])
+                    ok = RMS_NORM(hidden[t:t + 1], final_norm, eps, x[t:t + 1])
+                if not ok:
+                    _fail(ctr)
                 _done(ctr, base + 9)
                 t, r = _claim(ctr, base + 9, tokens, r)
             cursor = _wait(ctr, base + 9, tokens, following, cursor, reach)
@@ -330,16 +299,18 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
             _wait(ctr, phase, tasks, head_w, 0, 0)
 
 
-def compile_kernel(heads: int, **kernels):
-    """The kernel bound to the kernels its tasks call, given by ``kernels/cpu.py`` (its ops
-    namespace): ATTENTION (the register attention kernel's serial copy for ``heads`` query heads
-    scored together), RMS_NORM, ROTARY, WRITE_KV, SILU_AND_MUL (serial copies) and MERGE. Compiled
-    on first use, cached on disk as ``_decode_layers_<heads>``."""
+def compile_kernel(heads: int, cache: bool = CACHE, **kernels):
+    """The kernel bound to the kernels its tasks call, given by ``ops.py``: ATTENTION (the register
+    attention kernel's serial copy for ``heads`` query heads scored together), RMS_NORM, ROTARY,
+    WRITE_KV, SILU_AND_MUL (serial copies) and MERGE, each ``guarded`` (a task that fails marks
+    the step failed). Compiled on first use, cached on disk as ``_decode_layers_<heads>`` (with
+    ``cache``: a kernel bound to other kernels, a test's, must not take the real one's place)."""
     fn = _decode_layers_body
+    kernels = {name: guarded(kernel, CACHE) for name, kernel in kernels.items()}
     copy = types.FunctionType(fn.__code__, {**fn.__globals__, **kernels}, f"_decode_layers_{heads}",
                               fn.__defaults__, fn.__closure__)
     copy.__qualname__ = f"_decode_layers_{heads}"
-    return njit(fastmath=True, parallel=True, cache=CACHE, error_model="numpy")(copy)
+    return njit(fastmath=True, parallel=True, cache=cache, error_model="numpy")(copy)
 
 
 # --------------------------------------------------------------------------- the Python side
@@ -394,7 +365,7 @@ def run(kernel, stack_: LayerStack, hidden: np.ndarray, positions: np.ndarray, k
     strides = np.array([st // 4 for st in kv_cache.strides[2:5]], np.int64)  # block, head, token
     logits = np.empty(rows * int(widths[4]) if with_head else 0, np.float32)  # (R x padded vocab,)
     iterations = max(1, num_threads)
-    ctr = np.zeros((2 + PHASES_PER_LAYER * num_layers, (iterations + 1) * LINE), np.int64)  # done / claimed
+    ctr = np.zeros((3 + PHASES_PER_LAYER * num_layers, (iterations + 1) * LINE), np.int64)  # done / claimed; failed
     kernel(padded, x, x.reshape(-1), qkv_out, q, k, v, attn, attn.reshape(-1), o_out, gu, gu.reshape(-1),
            g, g.reshape(-1), d_out, stack_.input_norms, stack_.post_norms, stack_.qkv, stack_.o,
            stack_.gate_up, stack_.down, widths, stack_.per_task, np.float32(eps),
@@ -402,6 +373,9 @@ def run(kernel, stack_: LayerStack, hidden: np.ndarray, positions: np.ndarray, k
            meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.items, plan.merges,
            np.float32(scale), part_acc, part_max, part_sum, strides, _NO_BOUNDS, _NO_SCALES,
            stack_.final_norm, stack_.head, logits, with_head, ctr, iterations)
+    if ctr[-1, 0]:                               # a task failed: every thread left the region
+        raise RuntimeError("the persistent decode kernel abandoned the step: one of its tasks failed (its attention's "
+                           "scratch could not be allocated, say); the step's outputs are not used")
     if not np.isfinite(padded[:tokens]).all():   # no task raises (a waiting thread would poll for ever)
         raise FloatingPointError("the decode step's hidden states came out nan or inf after the layers: "
                                  "the model's weights or its inputs hold nan or inf values")

@@ -16,13 +16,13 @@ an all-reduce is; NCCL does the same across GPUs (``ray_executor.py``).
 
 from __future__ import annotations
 
-from ..config import CacheConfig, ParallelConfig
-from ..model.config import LlamaConfig
-from ..model.sharding import ShardSpec
-from ..model.weights import load_checkpoint
-from .backend import Backend
-from .cache_engine import cpu_pool_blocks, profile_gpu_num_blocks, swap_pool_blocks
-from .model_runner import ForwardInput
+from ...config import CacheConfig, ParallelConfig
+from ...model.config import LlamaConfig
+from ...model.sharding import ShardSpec
+from ...model.weights import load_checkpoint
+from ..backend import Backend
+from ..cache_engine import cpu_pool_blocks, profile_gpu_num_blocks, swap_pool_blocks
+from ..model_runner import ForwardInput
 from .worker import Worker, WorkerError
 
 

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import SpeculativeConfig
-from ..sequence import Sequence, SequenceGroup
+from ...config import SpeculativeConfig
+from ...sequence import Sequence, SequenceGroup
 from .ngram_proposer import propose_ngram
 from .rejection_sampler import Verdict, verify_coupled, verify_greedy, verify_sampled
-from .sampler import SampleRequest, SampleResult, shaped_probs, to_host
+from ..sampler import SampleRequest, SampleResult, shaped_probs, to_host
 
 # A decode step's fixed cost (reading every weight once), in query rows of arithmetic: on the
 # 2-core CPU of docs/benchmarks.md, a step of 1 row took ~20 ms and each further row ~1.3 ms.
@@ -101,6 +101,7 @@ class SpecDecodeStats:
 class SpeculativeDecoder:
     config: SpeculativeConfig
     max_model_len: int
+    draft: object = None     # a DraftModel (draft_model.py) that fills the drafts in, or None (n-gram)
     records: dict[int, Acceptance] = field(default_factory=dict)   # seq_id -> its acceptance record
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
@@ -137,7 +138,59 @@ class SpeculativeDecoder:
                 continue
             seq.draft_token_ids = guess[:min(k, room)]
 
+    def fill_drafts(self, items: list, tables: list, block_size: int, sampler, generators: dict,
+                    banned_of) -> dict[int, np.ndarray]:
+        """After the schedule, before the pass: a draft model writes the drafts' tokens of the
+        speculating ``items`` (their block ``tables`` map the drafts' slots). Returns each one's
+        draft distributions (k, V) by seq_id, for sampled requests; n-gram drafts are already
+        there (empty). ``banned_of(group, seq, ahead)``: the tokens banned that far ahead."""
+        speculating = [(item, table) for item, table in zip(items, tables) if item.draft_token_ids]
+        if self.draft is None or not speculating:
+            return {}
+        return self.draft.propose([i for i, _ in speculating], [t for _, t in speculating], block_size, sampler,
+                                  generators, lambda item, ahead: banned_of(item.group, item.seq, ahead))
+
     # ------------------------------------------------------------------ the step's verdict
+    def verify_rows(self, logits, offset: int, items: list, sampler, generators: dict, banned_of,
+                    draft_probs: dict) -> tuple[list, int]:
+        """Each speculating item's k + 1 rows of ``logits``, from row ``offset`` on, checked
+        (``verify``): ([(item, drafts that stood, results to append)], the row after them).
+        Nothing is changed yet: ``commit`` applies the verdicts once the whole step is computed."""
+        verdicts = []
+        for item in items:
+            k = len(item.draft_token_ids)
+            accepted, verified = self.verify(
+                logits[offset:offset + k + 1], item.group, item.seq, list(item.draft_token_ids), sampler,
+                generators[item.seq.seq_id], lambda ahead, g=item.group, s=item.seq: banned_of(g, s, ahead),
+                draft_probs.get(item.seq.seq_id))
+            verdicts.append((item, accepted, verified))
+            offset += k + 1
+        return verdicts, offset
+
+    def commit(self, verdicts: list, append, block_manager, touched: dict) -> int:
+        """Apply the step's verdicts: each item's drafts that stood and the model's own token are
+        appended (``append(group, seq, result)``, until a stop rule fires), its progress moves past
+        them, and the page table is rolled back past the rejected drafts (their slots unmapped,
+        a block of rejected positions only freed at once). Returns the tokens emitted."""
+        num_emitted = 0
+        for item, accepted, verified in verdicts:
+            seq = item.seq
+            emitted = 0
+            for result in verified:           # the drafts that stood, then the model's own token
+                append(item.group, seq, result)
+                emitted += 1
+                if seq.is_finished():
+                    break
+            num_emitted += emitted
+            self.record(seq, len(item.draft_token_ids), accepted, emitted)
+            seq.num_computed_tokens = min(seq.num_computed_tokens + accepted, seq.num_tokens - 1)
+            # the draft's pool keeps only the positions that stood
+            seq.draft_num_computed_tokens = min(seq.draft_num_computed_tokens, seq.num_computed_tokens)
+            if not seq.is_finished():         # unmap the rejected drafts' slots (page-table rollback)
+                block_manager.rollback(seq, seq.num_computed_tokens)
+            touched[item.group.request_id] = item.group
+        return num_emitted
+
     def verify(self, logits, group: SequenceGroup, seq: Sequence, drafts: list[int], sampler,
                generator: np.random.Generator, banned,
                draft_probs: np.ndarray | None = None) -> tuple[int, list[SampleResult]]:

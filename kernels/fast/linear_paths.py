@@ -3,10 +3,10 @@
 The CPU has two engines for the products of the linear layers:
 
 - ``"numba"``: our own kernels. A decode step multiplies the weights' panels
-  (``kernels/panel_gemm.py``), every layer in one persistent kernel
-  (``kernels/persistent_decode.py``); a prefill goes to numpy's BLAS gemm.
-- ``"mkl"``: Intel's oneMKL (``kernels/packed_gemm.py``), multiplying a packed copy of every
-  weight made once at load (from ``cpu.PACKED_MIN_ROWS`` rows; fewer go to the skinny kernel),
+  (``panel_gemm.py``), every layer in one persistent kernel
+  (``persistent_decode.py``); a prefill goes to numpy's BLAS gemm.
+- ``"mkl"``: Intel's oneMKL (``packed_gemm.py``), multiplying a packed copy of every
+  weight made once at load (from ``FastTuning.packed_min_rows`` rows; fewer go to the skinny kernel),
   and a prompt's attention through its sgemm.
 
 Which is faster depends on the machine and on the kind of step: one row streams the weights
@@ -28,7 +28,7 @@ PATHS = ("numba", "mkl")
 STEP_KINDS = ("single_decode", "batched_decode", "prefill")
 KIND_NAMES = {"single_decode": "single-stream decode", "batched_decode": "batched decode", "prefill": "prefill"}
 # The most rows a batched decode has: the panels' and the persistent kernel's limit
-# (kernels/cpu.py PANEL_MAX_ROWS; a test checks that the two agree).
+# (FastTuning.panel_max_rows, kernels/fast/tuning.py; a test checks that the two agree).
 DECODE_MAX_ROWS = 128
 
 

@@ -1,0 +1,20 @@
+"""The fast CPU tier: the speed work behind ``kernels/ops.py``'s interface, one module per concept.
+
+``ops.py``          ``FastOps``: the tier's entry point (weights prepared, a step planned, each call routed)
+``tuning.py``       ``FastTuning``: every switch and threshold, and the constants compiled into kernels
+``compile.py``      serial and threaded compilations, specialised copies, copies that never raise
+``elementwise.py``  RMSNorm, rotary, SiLU·up, e^x, log-sum-exp, the streaming read
+``kv_write.py``     KV writes (float, int8, fp8, key bounds) and block copies
+``attention.py``    the step's attention plan, split-K, the BLAS prompt path, which kernel takes what
+``attention_loop.py``       the loop attention kernel (any cache, block-sparse decode)
+``attention_registers.py``  the register attention kernel (a float32 pool)
+``prompt_attention.py``     long prompts' attention, scores in a chunk-sized scratch
+``linear.py``       which engine multiplies a linear layer; the skinny kernel
+``panel_gemm.py``   weights in panels, multiplied in registers
+``packed_gemm.py``  oneMKL's packed sgemm, loaded with ctypes
+``linear_paths.py`` which engine each kind of step takes, ``LinearPaths``
+``persistent_decode.py``  every layer of a decode step in one parallel region
+``huge_pages.py``   a region of 2 MB pages for the panels
+``simd.py``, ``fast_math.py``, ``atomics.py``, ``borrowed.py``: the intrinsics underneath
+``thread_pools.py`` BLAS's and Numba's thread pools, settled before anything runs
+"""

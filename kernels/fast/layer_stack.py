@@ -1,0 +1,73 @@
+"""The layers as the persistent decode kernel reads them: a ``LayerStack``, made once per model.
+
+The OS idea is a driver's descriptor table: the device is handed one table of its buffers at
+setup (the layers' norms stacked, each product's panels as a tuple, how many panels make one
+task), not a list of objects to walk each step. No weight is copied: the panels are views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .panel_gemm import PANEL, PanelWeight
+
+# Bytes of a weight's panels in one product task: small enough that the two threads end a
+# product together (the last task is short), large enough that claiming one (an atomic add)
+# is rare: with AVX2's 16-wide panels, 3 of a 576-wide weight, 1 of a
+# 1536-wide one (with AVX-512's 32-wide panels, 1 of either).
+TASK_BYTES = 128 << 10
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """The layers' weights as the kernel reads them, made once per model (``stack``)."""
+
+    input_norms: np.ndarray   # (L, hidden) float32
+    post_norms: np.ndarray    # (L, hidden) float32
+    qkv: tuple                # L flat (panels * hidden * PANEL,) float32 panels of qkv
+    o: tuple                  # L flat panels of o_proj, (panels * q_size * PANEL,)
+    gate_up: tuple            # L flat panels of gate/up, (panels * hidden * PANEL,)
+    down: tuple               # L flat panels of down, (panels * ffn * PANEL,)
+    widths: np.ndarray        # (5,) int64 padded output features: qkv, o, gate_up, down, the LM head
+    per_task: np.ndarray      # (5,) int64 panels in one task of each
+    q_size: int
+    kv_size: int
+    ffn: int
+    final_norm: np.ndarray    # (hidden,) float32 the model's last norm (zeros without a head)
+    head: np.ndarray          # flat panels of the LM head, (panels * hidden * PANEL,); (0,) without
+    vocab_size: int           # the head's output features (0 without a head)
+
+    @property
+    def has_head(self) -> bool:
+        return self.vocab_size > 0
+
+
+def stack(layers, packed, final_norm: np.ndarray | None = None, head: PanelWeight | None = None) -> LayerStack | None:
+    """The LayerStack of a model's ``layers`` (LayerWeights) and ``packed`` (PackedLayer), with
+    its ``final_norm`` and LM head's panels ``head`` where this worker holds them; None where a
+    layer's products have no float32 panels (oneMKL's packing, a GPU)."""
+    kinds = ("qkv", "o", "gate_up", "down")
+    if not layers or not all(isinstance(getattr(p, kind), PanelWeight) for p in packed for kind in kinds):
+        return None
+    panels = [[getattr(p, kind) for p in packed] for kind in kinds]
+    if any(len({(w.out_features, w.in_features) for w in ws}) != 1 for ws in panels):
+        return None   # layers of different shapes: not one kernel's tuples
+    first = [ws[0] for ws in panels]
+    hidden = first[0].in_features
+    if not isinstance(head, PanelWeight) or final_norm is None or head.in_features != hidden:
+        head, final_norm = None, None
+    weights = first + ([head] if head is not None else [])
+    widths = np.array([w.data.shape[0] * PANEL for w in weights] + [0] * (head is None), np.int64)
+    per_task = np.array([max(1, TASK_BYTES // (w.in_features * PANEL * 4)) for w in weights] + [1] * (head is None),
+                        np.int64)
+    qkv, o, _, down = first
+    kv_size = (qkv.out_features - o.in_features) // 2
+    return LayerStack(np.stack([layer.input_norm for layer in layers]).astype(np.float32),
+                      np.stack([layer.post_norm for layer in layers]).astype(np.float32),
+                      *(tuple(w.data.reshape(-1) for w in ws) for ws in panels),
+                      widths, per_task, o.in_features, kv_size, down.in_features,
+                      np.zeros(hidden, np.float32) if final_norm is None else np.asarray(final_norm, np.float32),
+                      np.zeros(0, np.float32) if head is None else head.data.reshape(-1),
+                      0 if head is None else head.out_features)

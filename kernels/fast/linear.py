@@ -1,0 +1,133 @@
+"""The fast tier's linear layers: which engine multiplies x (T, in) by a weight (out, in).
+
+The OS idea is the buffer cache's read-ahead policy: the same read, served by the engine that
+suits its size. A few rows (decodes) stream each weight once (the panels, ``panel_gemm.py``, or
+``_skinny_linear`` without them); from ``packed_min_rows`` oneMKL's packed copy
+(``packed_gemm.py``) where the model made one; a prefill's many rows, BLAS's gemm.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import get_num_threads, njit, prange
+
+from .huge_pages import Arena
+from .panel_gemm import PanelWeight, pack as pack_panels, panel_shape
+from .tuning import DEFAULT_TUNING, SKINNY_TILE_MIN_ROWS, FastTuning
+
+
+@njit(fastmath=True, inline="always", cache=True)
+def _dot(a, b):
+    """sum(a * b) of two (k,) views: indexed from 0, so LLVM vectorises it with no wraparound."""
+    total = np.float32(0.0)
+    for k in range(a.shape[0]):
+        total += a[k] * b[k]
+    return total
+
+
+@njit(fastmath=True, parallel=True, cache=True)
+def _skinny_linear(x, w, out, chunks):
+    rows, k_dim = x.shape
+    n_dim = w.shape[0]
+    step = -(-n_dim // chunks)
+    step += (-step) % 4                           # whole groups of 4 output features per chunk
+    for c in prange(chunks):                      # each thread: a run of output features
+        n, stop = c * step, min(n_dim, (c + 1) * step)
+        if rows < SKINNY_TILE_MIN_ROWS:           # a few rows: one weight row, one dot per row of x
+            for f in range(n, stop):
+                weight_row = w[f]                 # (in,) read once from memory, then from L1
+                for m in range(rows):
+                    out[m, f] = _dot(weight_row, x[m])
+            continue
+        # A tile of 4 weight rows (output features n..n+3) x 4 rows of x: 16 dot products
+        # kept in registers (fastmath lets LLVM vectorise each sum over k). Each weight row
+        # comes from memory once and then serves every row of x from the L1/L2 cache; each
+        # loaded value serves 4 multiply-adds. w must be C-contiguous (the model's are):
+        # another layout still gives the right answer, but walks memory with a stride.
+        while n + 4 <= stop:
+            m = 0
+            while m + 4 <= rows:
+                a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+                c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = np.float32(0.0)
+                for k in range(k_dim):
+                    wa, wb, wc, wd = w[n, k], w[n + 1, k], w[n + 2, k], w[n + 3, k]
+                    x0, x1, x2, x3 = x[m, k], x[m + 1, k], x[m + 2, k], x[m + 3, k]
+                    a0 += x0 * wa; a1 += x1 * wa; a2 += x2 * wa; a3 += x3 * wa   # noqa: E702
+                    b0 += x0 * wb; b1 += x1 * wb; b2 += x2 * wb; b3 += x3 * wb   # noqa: E702
+                    c0 += x0 * wc; c1 += x1 * wc; c2 += x2 * wc; c3 += x3 * wc   # noqa: E702
+                    d0 += x0 * wd; d1 += x1 * wd; d2 += x2 * wd; d3 += x3 * wd   # noqa: E702
+                out[m, n], out[m + 1, n], out[m + 2, n], out[m + 3, n] = a0, a1, a2, a3
+                out[m, n + 1], out[m + 1, n + 1], out[m + 2, n + 1], out[m + 3, n + 1] = b0, b1, b2, b3
+                out[m, n + 2], out[m + 1, n + 2], out[m + 2, n + 2], out[m + 3, n + 2] = c0, c1, c2, c3
+                out[m, n + 3], out[m + 1, n + 3], out[m + 2, n + 3], out[m + 3, n + 3] = d0, d1, d2, d3
+                m += 4
+            while m < rows:                       # the last rows of x, one at a time
+                a0 = b0 = c0 = d0 = np.float32(0.0)
+                for k in range(k_dim):
+                    xk = x[m, k]
+                    a0 += xk * w[n, k]
+                    b0 += xk * w[n + 1, k]
+                    c0 += xk * w[n + 2, k]
+                    d0 += xk * w[n + 3, k]
+                out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = a0, b0, c0, d0
+                m += 1
+            n += 4
+        while n < stop:                           # the last output features, one at a time
+            for m in range(rows):
+                a0 = np.float32(0.0)
+                for k in range(k_dim):
+                    a0 += x[m, k] * w[n, k]
+                out[m, n] = a0
+            n += 1
+
+
+def pack_linear(w: np.ndarray, into: np.ndarray | None = None) -> PanelWeight | None:
+    """The copy of a linear weight w (out, in) that decode steps multiply by: its panels
+    (``kernels/panel_gemm.py``), made once when the model loads, in ``into`` when given (an
+    array of ``panel_shape``); None for a weight that is not float32 (the panels are float32
+    only)."""
+    return pack_panels(w, into) if w.ndim == 2 and w.dtype == np.float32 else None
+
+
+def pack_linears(weights: list[np.ndarray]) -> list[PanelWeight | None]:
+    """``pack_linear`` for every linear weight of a model, their panels back to back in one
+    region of huge pages (``kernels/huge_pages.py``): a decode step streams them all, and 2 MB
+    pages spare it a TLB miss every 4 KB."""
+    shapes = [panel_shape(*w.shape) if w.ndim == 2 and w.dtype == np.float32 else None for w in weights]
+    if not any(shapes):
+        return [None] * len(weights)                 # nothing float32: no region
+    arena = Arena(sum(Arena.footprint(shape) for shape in shapes if shape is not None))
+    return [pack_linear(w, arena.take(shape)) if shape is not None else None for w, shape in zip(weights, shapes)]
+
+
+def linear(x: np.ndarray, w: np.ndarray, packed=None, tuning: FastTuning = DEFAULT_TUNING) -> np.ndarray:
+    """A linear layer: x (T, in) times w (out, in), the checkpoint's layout -> (T, out).
+
+    ``packed`` is w's second copy, made once by the model:
+    - w's panels (``pack_linear``, ``kernels/panel_gemm.py``): every float32 product of up to
+      PANEL_MAX_ROWS rows (every decode step of up to 128 sequences) multiplies them;
+    - oneMKL's packed layout (``kernels/packed_gemm.py``): every float32 product from
+      PACKED_MIN_ROWS rows up is MKL's.
+    Otherwise, up to SKINNY_MAX_ROWS rows of float32 go to ``_skinny_linear``, which streams
+    each weight row once for all of them; more rows (prefill) go to numpy's BLAS gemm, which
+    reads w transposed in place.
+    """
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"linear: x {x.shape} and w {w.shape} do not fit: x must be (T, in) "
+                         f"and w (out, in) with the same in")
+    rows = x.shape[0]
+    if packed is not None and (packed.out_features, packed.in_features) != w.shape:
+        raise ValueError(f"linear: the packed copy is ({packed.out_features}, {packed.in_features}), "
+                         f"not w's {w.shape}")
+    if isinstance(packed, PanelWeight):
+        if 1 <= rows <= tuning.panel_max_rows and x.dtype == np.float32:
+            return packed.apply(x, get_num_threads())
+    elif packed is not None and rows >= tuning.packed_min_rows and x.dtype == np.float32:
+        return packed.apply(x)
+    if 1 <= rows <= tuning.skinny_max_rows and x.dtype == np.float32 and w.dtype == np.float32:
+        x = np.ascontiguousarray(x)
+        out = np.empty((rows, w.shape[0]), dtype=np.float32)          # (T, out)
+        _skinny_linear(x, w, out, 4 * get_num_threads())
+        return out
+    return x @ w.T
+
