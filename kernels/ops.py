@@ -28,8 +28,6 @@ import numpy as np
 
 from .layout import AttentionMetadata, BlockBounds, KVQuant
 
-TIERS = ("simple", "fast")     # the CPU's tiers; a GPU runs "cuda"
-
 LayerQuant = Callable[[int], KVQuant]        # layer index -> that layer's scales (a compressed cache)
 LayerBounds = Callable[[int], BlockBounds]   # layer index -> that layer's key bounds (block-sparse decode)
 
