@@ -107,6 +107,15 @@ extern "C" __global__ void write_kv_f16(const __half* __restrict__ k, const __ha
                          block_size, kv_format);
 }
 
+extern "C" __global__ void write_kv_bf16(const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v,
+                                         void* __restrict__ k_cache, void* __restrict__ v_cache,
+                                         float* __restrict__ k_scale, float* __restrict__ v_scale,
+                                         const long long* __restrict__ slot_mapping, int num_kv_heads,
+                                         int head_dim, int block_size, int kv_format) {
+    write_kv_any<__nv_bfloat16>(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, num_kv_heads, head_dim,
+                                block_size, kv_format);
+}
+
 template <typename T>
 __device__ void update_key_bounds(const T* __restrict__ k, const long long* __restrict__ slot_mapping,
                                   float* __restrict__ key_min, float* __restrict__ key_max, int num_tokens,
@@ -141,4 +150,11 @@ extern "C" __global__ void update_key_bounds_f16(const __half* __restrict__ k, c
                                                  float* __restrict__ key_min, float* __restrict__ key_max,
                                                  int num_tokens, int num_kv_heads, int head_dim, int block_size) {
     update_key_bounds<__half>(k, slot_mapping, key_min, key_max, num_tokens, num_kv_heads, head_dim, block_size);
+}
+
+extern "C" __global__ void update_key_bounds_bf16(const __nv_bfloat16* __restrict__ k,
+                                                  const long long* __restrict__ slot_mapping,
+                                                  float* __restrict__ key_min, float* __restrict__ key_max,
+                                                  int num_tokens, int num_kv_heads, int head_dim, int block_size) {
+    update_key_bounds<__nv_bfloat16>(k, slot_mapping, key_min, key_max, num_tokens, num_kv_heads, head_dim, block_size);
 }

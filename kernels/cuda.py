@@ -6,6 +6,11 @@ and is independent of where the kernels run: on a GPU the launchers come from
 CPU harness (``kernels/cuda_harness.py``) and arrays are NumPy arrays, so this very
 code runs in CI. Block copies (copy-on-write, swapping) are Numba CUDA kernels
 (``kernels/block_copy.py``) on the GPU and NumPy slices in the harness.
+
+Three activation types, each with its own entry point of every kernel (``_f32``, ``_f16``,
+``_bf16``), chosen by the arrays' dtype: float32, float16 and bfloat16. NumPy has no bfloat16;
+``ml_dtypes.bfloat16`` is the dtype, in NumPy arrays (the harness) and in CuPy's, which take it
+from CuPy 14 on (``engine/backend.py`` chooses it on a GPU).
 """
 
 from __future__ import annotations
@@ -20,11 +25,20 @@ from .kv_quant import K_SCALE_CONSTANT, KV_FLOAT, V_SCALE_CONSTANT
 from .layout import AttentionMetadata, BlockBounds, KVQuant
 from .ops import ModelWeights
 
-KERNEL_DIR = Path(__file__).parent
-SOURCES = ("cache_ops.cu", "paged_attention.cu", "fused.cu")
+try:   # bfloat16 as a NumPy (and CuPy 14) dtype; without ml_dtypes, float32 and float16 only
+    import ml_dtypes
 
-NUM_WARPS = 4            # must match paged_attention.cu
-QUERY_TILE = 16          # must match paged_attention.cu
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:
+    BFLOAT16 = None
+
+KERNEL_DIR = Path(__file__).parent
+SOURCES = ("cache_ops.cu", "paged_attention.cu", "paged_prefill.cu", "fused.cu")
+# the entry point of each activation type: paged_decode_f32, paged_decode_f16, paged_decode_bf16, ...
+SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", BFLOAT16: "bf16"}
+
+NUM_WARPS = 4            # must match common.cuh
+QUERY_TILE = 16          # must match paged_prefill.cu
 PARTITION_SIZE = 512     # split-K partition, a multiple of every block size (<= 256)
 SPLIT_K_ABOVE = 1024     # contexts longer than this use the split-K decode kernel
 MAX_HEAD_DIM = 256
@@ -56,8 +70,7 @@ class CudaOps:
         # CuPy launches one block for a zero grid dimension (and a 0-size array's pointer is
         # NULL): callers skip empty work instead.
         assert min(grid) >= 1, f"{name}: empty grid {grid}"
-        suffix = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}[np.dtype(dtype)]
-        self._kernels[f"{name}_{suffix}"](tuple(grid), tuple(block), args)
+        self._kernels[f"{name}_{SUFFIX[np.dtype(dtype)]}"](tuple(grid), tuple(block), args)
 
     def _compute_dtype(self, cache, x):
         """The kernels' activation type: a float cache's own; with a compressed cache, x's."""
@@ -103,7 +116,8 @@ class CudaOps:
 
     # ------------------------------------------------------------------ weights, a step
     def prepare(self, weights: ModelWeights) -> ModelWeights:
-        """The weights as they are: cuBLAS reads every linear weight in the checkpoint's layout."""
+        """The weights as they are: cuBLAS reads every linear weight in the checkpoint's layout,
+        and every family's option (biases, q/k norms, a layer's window) is read where it is."""
         return weights
 
     def weight_bytes(self, weights: ModelWeights) -> int:
@@ -136,13 +150,27 @@ class CudaOps:
             tiles = self.xp.asarray(np.stack([seq, starts], axis=1).astype(np.int64))   # (W, 2)
         return CudaAttentionPlan(meta, decode_only, parts, tiles)
 
+    @staticmethod
+    def decode_partitions(plan: CudaAttentionPlan, window: int, block_size: int) -> int:
+        """How many partitions the decode kernel splits each context into: the plan's, or with a
+        sliding window only as many as the window's blocks span (paged_attention.cu), at most
+        window + block_size - 1 positions from the block holding its first."""
+        if window and plan.num_partitions > 1:
+            return min(plan.num_partitions, -(-(window + block_size - 1) // PARTITION_SIZE))
+        return plan.num_partitions
+
     def paged_attention(self, q, k_cache, v_cache, plan, scale: float, quant: KVQuant | None = None,
-                        bounds: BlockBounds | None = None):
+                        bounds: BlockBounds | None = None, window: int = 0):
         """Causal attention of q (T, heads, head_dim) through block tables -> (T, heads, head_dim).
 
         ``quant``: a compressed cache (int8 / fp8 bytes and their scales), widened as it is read.
         ``bounds``: block-sparse decode attention: a sequence whose one new token decodes reads
-        only the ``bounds.keep`` blocks ``paged_select_blocks`` chooses per head."""
+        only the ``bounds.keep`` blocks ``paged_select_blocks`` chooses per head.
+        ``window`` > 0: a sliding window, the query at p reads p - window + 1 .. p; the table
+        entries of blocks wholly before every query's window are never read (they may be -1)."""
+        sparse = bounds is not None and bounds.keep > 0
+        if sparse and window:
+            raise ValueError("the CUDA kernels: block-sparse decode attention with a sliding window is not supported")
         if isinstance(plan, AttentionMetadata):
             plan = self.plan_attention(plan)
         xp, meta = self.xp, plan.meta
@@ -158,7 +186,6 @@ class CudaOps:
         num_seqs, max_blocks = int(seq_lens.shape[0]), int(tables.shape[1])
         common = [np.int32(max_blocks), np.int32(num_kv_heads), np.int32(head_dim), np.int32(block_size)]
         fmt, k_scale, v_scale = self._scales(quant)
-        sparse = bounds is not None and bounds.keep > 0
         chosen = self._no_choice
         if sparse:     # which blocks each decoding head reads: (S, heads, max_blocks) 0 / 1
             chosen = xp.zeros((num_seqs, num_heads, max_blocks), np.uint8)
@@ -167,27 +194,31 @@ class CudaOps:
                 chosen, scores, q, bounds.key_min, bounds.key_max, tables, seq_lens, qsl, *common,
                 np.int32(bounds.keep), np.float32(scale)])
         if plan.decode_only:
-            parts = plan.num_partitions
+            parts = self.decode_partitions(plan, window, block_size)
             scratch = [xp.empty((num_seqs, num_heads, parts, head_dim), np.float32),
                        xp.empty((num_seqs, num_heads, parts), np.float32),
                        xp.empty((num_seqs, num_heads, parts), np.float32)]
             self._launch("paged_decode", dtype, (num_heads, num_seqs, parts), (NUM_WARPS * 32,),
                          [out, *scratch, q, k_cache, v_cache, k_scale, v_scale, chosen, tables, seq_lens,
                           *common, np.int32(PARTITION_SIZE if parts > 1 else max(meta.max_seq_len, 1)),
-                          np.int32(fmt), np.int32(sparse), np.float32(scale)])
+                          np.int32(fmt), np.int32(sparse), np.int32(window), np.float32(scale)])
             if parts > 1:
                 self._launch("paged_decode_reduce", dtype, (num_heads, num_seqs), (128,),
                              [out, *scratch, np.int32(parts), np.int32(head_dim)])
             return out
         self._launch("paged_prefill", dtype, (plan.tiles.shape[0], num_heads), (NUM_WARPS * 32,),
                      [out, q, k_cache, v_cache, k_scale, v_scale, chosen, tables, seq_lens, qsl, plan.tiles,
-                      *common, np.int32(fmt), np.int32(sparse), np.float32(scale)])
+                      *common, np.int32(fmt), np.int32(sparse), np.int32(window), np.float32(scale)])
         return out
 
     # ------------------------------------------------------------------ matrix products
     def linear(self, x, w, plan=None):
         """x (T, in) times w (out, in) -> x @ w.T, (T, out): cuBLAS through CuPy, which reads
-        the transposed view in place (NumPy's BLAS in the harness)."""
+        the transposed view in place (NumPy's BLAS in the harness). In bfloat16, CuPy calls
+        cuBLAS's gemmEx with bf16 inputs and float32 accumulation, rounding the output once; the
+        harness does the same through float32 (NumPy's own bf16 product is a slow scalar loop)."""
+        if self.xp is np and x.dtype == BFLOAT16:
+            return (x.astype(np.float32) @ w.astype(np.float32).T).astype(BFLOAT16)
         return x @ w.T
 
     # ------------------------------------------------------------------ fused elementwise
@@ -227,6 +258,10 @@ class CudaOps:
     # ------------------------------------------------------------------ block copies
     def swap_blocks(self, src, dst, block_mapping) -> None:
         if len(block_mapping):
+            # Numba has no bfloat16; a copy moves bits: 16-bit words (the pinned swap pool of a
+            # bfloat16 pool is kept as its uint16 bits already, cache_engine._pinned)
+            src = src.view(np.uint16) if src.dtype == BFLOAT16 else src
+            dst = dst.view(np.uint16) if dst.dtype == BFLOAT16 else dst
             self._block_copy.swap_blocks(src, dst, np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2))
 
     def copy_blocks(self, kv_cache, block_mapping) -> None:
@@ -283,8 +318,8 @@ def gpu_ops() -> CudaOps:
 
 
 def cuda_include_dirs(major: int | None = None) -> list[str]:
-    """Where cuda_fp16.h, cuda_fp8.h and the vector types they include may be (CuPy no longer
-    bundles them).
+    """Where cuda_fp16.h, cuda_bf16.h, cuda_fp8.h and the vector types they include may be (CuPy
+    no longer bundles them).
 
     A toolkit first ($CUDA_PATH, $CUDA_HOME, /usr/local/cuda), then the pip wheels'
     headers: CUDA 12's runtime wheel (``nvidia/cuda_runtime/include``) and CUDA 13's
@@ -305,7 +340,8 @@ def cuda_include_dirs(major: int | None = None) -> list[str]:
     except ImportError:
         pass
     found = []
-    for d in dirs:   # both headers the kernels include (cuda_fp8.h since CUDA 11.8)
-        if all(os.path.exists(os.path.join(d, h)) for h in ("cuda_fp16.h", "cuda_fp8.h")) and d not in found:
+    for d in dirs:   # the headers the kernels include (cuda_fp8.h since CUDA 11.8)
+        if all(os.path.exists(os.path.join(d, h)) for h in ("cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h")) \
+                and d not in found:
             found.append(d)
     return found

@@ -3,7 +3,7 @@
 // kernels/cuda_harness.py compiles a kernel file as C++ with this header forced in front
 // (g++ -include cuda_cpu_shim.h -DMINIPAGED_CPU_HARNESS). A launch runs the thread blocks
 // of the grid one after another; the threads of a block run at the same time, one OS
-// thread per CUDA thread, so that:
+// thread per CUDA thread (started once a launch), so that:
 //   threadIdx / blockIdx          thread-local variables set by the launcher
 //   blockDim / gridDim            the launch's dimensions (one launch at a time)
 //   __syncthreads()               a barrier over the block's threads
@@ -12,6 +12,8 @@
 //   __shfl_xor_sync(mask, v, m)   an exchange through a per-warp buffer between two barriers
 //                                 (all 32 lanes of a warp must call it together: full masks)
 //   __half / __half2              _Float16 (IEEE binary16, round to nearest like __float2half)
+//   __nv_bfloat16 / __nv_bfloat162  a float's upper 16 bits in a struct; __float2bfloat16 rounds
+//                                 to nearest even, written out on the bits (cuda_bf16.h's rule)
 //   cuda_fp8.h's fp8 bytes        __nv_cvt_float_to_fp8 (round to nearest even, saturating) and
 //                                 __nv_cvt_fp8_to_halfraw, written out with frexp / ldexp
 // What is not here, a kernel may not use (docs/kernels.md lists it): atomics, dynamic shared
@@ -47,6 +49,34 @@ inline __half __ushort_as_half(unsigned short bits) {
     __half h;
     std::memcpy(&h, &bits, sizeof h);
     return h;
+}
+
+// ---- cuda_bf16.h: bfloat16 is a float with the low 16 bits of its significand cut off (1 sign,
+// 8 exponent, 7 stored significand bits). Only conversions: the kernels compute in float.
+struct __nv_bfloat16 {
+    unsigned short bits;
+};
+struct __nv_bfloat162 {
+    __nv_bfloat16 x, y;
+};
+inline float __bfloat162float(__nv_bfloat16 h) {
+    const uint32_t word = (uint32_t)h.bits << 16;   // the cut-off bits are zeros
+    float f;
+    std::memcpy(&f, &word, sizeof f);
+    return f;
+}
+// The bfloat16 nearest f, ties to even: add just under half of the dropped part's range
+// (0x7FFF), plus one more when the kept part is odd, and let the carry round up. A NaN stays
+// a (quiet) NaN; a value past bfloat16's largest rounds to infinity, as on the GPU.
+inline __nv_bfloat16 __float2bfloat16(float f) {
+    uint32_t word;
+    std::memcpy(&word, &f, sizeof word);
+    if (std::isnan(f)) return __nv_bfloat16{(unsigned short)((word >> 16) | 0x0040)};
+    word += 0x7FFFu + ((word >> 16) & 1u);
+    return __nv_bfloat16{(unsigned short)(word >> 16)};
+}
+inline float2 __bfloat1622float2(__nv_bfloat162 h) {
+    return float2{__bfloat162float(h.x), __bfloat162float(h.y)};
 }
 
 // ---- cuda_fp8.h: the two fp8 formats as bytes, and the two conversions the kernels use
@@ -151,28 +181,34 @@ inline Block* g_block = nullptr;
 
 inline int linear_thread() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
 
-// Run one launch: every block of the grid in turn, all threads of a block at once.
+// Run one launch: every block of the grid in turn, all threads of a block at once. The block's
+// OS threads are started once per launch and walk the grid together, each block ending at a
+// barrier of its own (so no thread starts the next block while another still reads shared
+// memory), rather than started afresh for every block: a launch of many blocks costs the
+// threads' start-up once.
 inline void run_grid(dim3 grid, dim3 block, const std::function<void()>& body) {
     gridDim = grid;
     blockDim = block;
     const unsigned threads = block.x * block.y * block.z;
     Block b;
     b.bar = std::make_unique<std::barrier<>>(threads);
+    std::barrier<> block_done(threads);
     for (unsigned w = 0; w < (threads + kWarp - 1) / kWarp; ++w) b.warps.push_back(std::make_unique<Warp>());
     g_block = &b;
-    for (unsigned bz = 0; bz < grid.z; ++bz)
-        for (unsigned by = 0; by < grid.y; ++by)
-            for (unsigned bx = 0; bx < grid.x; ++bx) {
-                std::vector<std::thread> pool;
-                pool.reserve(threads);
-                for (unsigned t = 0; t < threads; ++t)
-                    pool.emplace_back([&, t] {
+    std::vector<std::thread> pool;
+    pool.reserve(threads);
+    for (unsigned t = 0; t < threads; ++t)
+        pool.emplace_back([&, t] {
+            threadIdx = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+            for (unsigned bz = 0; bz < grid.z; ++bz)
+                for (unsigned by = 0; by < grid.y; ++by)
+                    for (unsigned bx = 0; bx < grid.x; ++bx) {
                         blockIdx = dim3{bx, by, bz};
-                        threadIdx = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-                        body();
-                    });
-                for (auto& th : pool) th.join();
-            }
+                        body();                       // may return early: it still meets the others here
+                        block_done.arrive_and_wait();
+                    }
+        });
+    for (auto& th : pool) th.join();
     g_block = nullptr;
 }
 

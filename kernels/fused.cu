@@ -67,6 +67,11 @@ extern "C" __global__ void rms_norm_f16(__half* __restrict__ out, const __half* 
     rms_norm<__half>(out, x, weight, hidden, eps);
 }
 
+extern "C" __global__ void rms_norm_bf16(__nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ x,
+                                         const __nv_bfloat16* __restrict__ weight, int hidden, float eps) {
+    rms_norm<__nv_bfloat16>(out, x, weight, hidden, eps);
+}
+
 extern "C" __global__ void rotary_f32(float* __restrict__ x, const long long* __restrict__ positions,
                                       const float* __restrict__ cos_table, const float* __restrict__ sin_table,
                                       int num_tokens, int heads, int head_dim) {
@@ -79,6 +84,12 @@ extern "C" __global__ void rotary_f16(__half* __restrict__ x, const long long* _
     rotary<__half>(x, positions, cos_table, sin_table, num_tokens, heads, head_dim);
 }
 
+extern "C" __global__ void rotary_bf16(__nv_bfloat16* __restrict__ x, const long long* __restrict__ positions,
+                                       const float* __restrict__ cos_table, const float* __restrict__ sin_table,
+                                       int num_tokens, int heads, int head_dim) {
+    rotary<__nv_bfloat16>(x, positions, cos_table, sin_table, num_tokens, heads, head_dim);
+}
+
 extern "C" __global__ void silu_and_mul_f32(float* __restrict__ out, const float* __restrict__ gate_up,
                                             int num_tokens, int ffn) {
     silu_and_mul<float>(out, gate_up, num_tokens, ffn);
@@ -87,4 +98,9 @@ extern "C" __global__ void silu_and_mul_f32(float* __restrict__ out, const float
 extern "C" __global__ void silu_and_mul_f16(__half* __restrict__ out, const __half* __restrict__ gate_up,
                                             int num_tokens, int ffn) {
     silu_and_mul<__half>(out, gate_up, num_tokens, ffn);
+}
+
+extern "C" __global__ void silu_and_mul_bf16(__nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ gate_up,
+                                             int num_tokens, int ffn) {
+    silu_and_mul<__nv_bfloat16>(out, gate_up, num_tokens, ffn);
 }

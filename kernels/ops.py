@@ -43,6 +43,18 @@ class LayerWeights:
     post_norm: Any     # (hidden,)
     gate_up: Any       # (2 * ffn, hidden)  rows [gate | up]
     down: Any          # (hidden, ffn)
+    # the options of the families (model/config.py), None / 0 where the layer has none
+    qkv_bias: Any = None   # (q_size + 2 * kv_size,) Qwen2
+    o_bias: Any = None     # (hidden,)
+    q_norm: Any = None     # (D,) Qwen3: RMSNorm over each head's q, and k, before RoPE
+    k_norm: Any = None     # (D,)
+    window: int = 0        # sliding window: a token at p reads positions p - window + 1 .. p; 0 = all
+
+    @property
+    def plain_llama(self) -> bool:
+        """No family option on: the layer a tier's fused kernels were written for."""
+        return (self.qkv_bias is None and self.o_bias is None and self.q_norm is None and self.k_norm is None
+                and self.window == 0)
 
 
 @dataclass
@@ -60,7 +72,8 @@ class ModelWeights:
         """Every weight held, each once (a tied head is the embedding): arrays, or a tier's wrappers."""
         found = [self.embed, self.final_norm, self.lm_head]
         for layer in self.layers:
-            found += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+            found += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down,
+                      layer.qkv_bias, layer.o_bias, layer.q_norm, layer.k_norm]
         return list({id(a): a for a in found if a is not None}.values())
 
 
@@ -120,9 +133,11 @@ class KernelOps(Protocol):
         """fp8's layer scales from this step's k, v (T, KVH, D)."""
 
     def paged_attention(self, q, k_cache, v_cache, plan, scale: float, quant: KVQuant | None = None,
-                        bounds: BlockBounds | None = None) -> Any:
+                        bounds: BlockBounds | None = None, window: int = 0) -> Any:
         """Causal attention of q (T, H, D) over each token's context through its block table:
-        (T, H, D). ``bounds``: block-sparse decode attention (keep ``bounds.keep`` blocks)."""
+        (T, H, D). ``bounds``: block-sparse decode attention (keep ``bounds.keep`` blocks).
+        ``window``: a query at position p reads only positions max(0, p - window + 1) .. p (0: all);
+        the table's entries for blocks wholly before that may be -1 (freed)."""
 
     # ---------------------------------------------------------------- the pool (DMA)
     def swap_blocks(self, src, dst, block_mapping) -> None:
@@ -133,16 +148,21 @@ class KernelOps(Protocol):
 
 
 def check_block_ids(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int, num_blocks: int,
-                    tier: str) -> None:
+                    tier: str, first_read: np.ndarray | None = None) -> None:
     """The blocks each sequence's context reads, (S, max_blocks) tables over (S,) lengths, must lie in
-    [0, num_blocks): a clear error at the ops boundary, never a read or write out of the pool."""
+    [0, num_blocks): a clear error at the ops boundary, never a read or write out of the pool.
+    ``first_read`` (S,): the first position any layer's window still reads (a sliding-window model),
+    whose earlier blocks may be -1, freed as they slid out."""
     if block_tables.size == 0 or seq_lens.size == 0:
         return
     used = -(-np.asarray(seq_lens, np.int64) // block_size)                  # (S,) blocks each context reads
     if int(used.max()) > block_tables.shape[1]:
         raise IndexError(f"the {tier} kernels: a context of {int(seq_lens.max())} tokens needs {int(used.max())} "
                          f"blocks, but the block tables hold {block_tables.shape[1]}")
-    live = np.arange(block_tables.shape[1])[None, :] < used[:, None]        # (S, max_blocks)
+    index = np.arange(block_tables.shape[1])[None, :]                      # (1, max_blocks)
+    live = index < used[:, None]                                           # (S, max_blocks)
+    if first_read is not None:
+        live &= index >= (np.asarray(first_read, np.int64) // block_size)[:, None]
     ids = block_tables[live]
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
@@ -156,3 +176,20 @@ def check_slots(slot_mapping: np.ndarray, num_slots: int, tier: str) -> None:
         bad = int(slot_mapping.min()) if int(slot_mapping.min()) < -1 else int(slot_mapping.max())
         raise IndexError(f"the {tier} kernels: slot {bad} is outside the pool's {num_slots} slots")
 
+
+def first_read_positions(weights: ModelWeights, meta: AttentionMetadata) -> np.ndarray | None:
+    """(S,) the first position any layer still reads for each sequence of the step, when every layer
+    slides (blocks before it may have been freed, -1 in the tables); None when some layer reads all."""
+    windows = [layer.window for layer in weights.layers]
+    if not windows or not all(windows):
+        return None
+    return window_first_read(meta, max(windows))
+
+
+def window_first_read(meta: AttentionMetadata, window: int) -> np.ndarray | None:
+    """(S,) the first position a layer of sliding window ``window`` reads in each sequence: its first
+    query's position - window + 1 (at least 0); None for full attention (window 0)."""
+    if not window:
+        return None
+    first_query = meta.seq_lens.astype(np.int64) - np.diff(meta.query_start_loc).astype(np.int64)   # (S,)
+    return np.maximum(first_query - window + 1, 0)

@@ -1,7 +1,7 @@
-// Paged attention on the GPU (spec: kernels/reference.py paged_attention).
+// Paged attention of one query a sequence: decoding (spec: kernels/reference.py paged_attention).
+// Many queries a sequence (prompts, chunks, prefix hits) go to paged_prefill.cu.
 //
 // Caches, per layer: (num_blocks, num_kv_heads, block_size, head_dim); block_tables (S, max_blocks).
-// Three kernels:
 //   paged_decode_*   one query per sequence. grid = (num_heads, num_seqs, num_partitions),
 //                    block = NUM_WARPS * 32 threads. Warps take the KV blocks of the partition
 //                    in turn (warp w: blocks w, w + NUM_WARPS, ...) and keep an online softmax;
@@ -9,10 +9,6 @@
 //                    is final; with several (split-K, for long contexts) each writes a partial
 //                    result that paged_decode_reduce merges.
 //   paged_decode_reduce_*  grid = (num_heads, num_seqs), block = 128.
-//   paged_prefill_*  a flattened batch of query tokens (prompts, chunks, prefix hits).
-//                    grid = (num_tiles, num_heads), block = NUM_WARPS * 32. A tile is up to
-//                    QUERY_TILE queries of one sequence; the block loads each KV block into
-//                    shared memory once, in sub-tiles, and every warp reuses it for its queries.
 //   paged_select_blocks_*  block-sparse decode (Quest): grid = (num_heads, num_seqs), block = 128.
 //                    Scores every block of a one-query sequence's context by the most its keys
 //                    could score, sum_d max(q_d * min_d, q_d * max_d) (warp per block), then marks
@@ -22,17 +18,18 @@
 //                    comparisons per head, over bounds held in shared memory up to 4096 blocks
 //                    (64K tokens at block size 16; beyond, in the global scratch).
 //                    The decode and prefill kernels then skip the blocks not marked.
-// Compressed caches (kv_format int8 / fp8, common.cuh): the kernels read one byte per value
-// and widen it in registers (decode) or as it is staged in shared memory (prefill); int8's
-// per-token scales multiply each score and each value's weight, fp8's layer scale the same.
+// A sliding window (window > 0): the query at position p = seq_len - 1 reads p - window + 1 .. p.
+// The partitions then cover the span from the block holding the window's first position on, so
+// blocks wholly before the window are never looked up (their table entries may be -1: freed),
+// and kernels/cuda.py launches only the partitions that span needs. (Block-sparse decode with a
+// window is refused there.)
+// Compressed caches (kv_format int8 / fp8, common.cuh): the kernel reads one byte per value and
+// widens it in registers; int8's per-token scales multiply each score and each value's weight,
+// fp8's layer scale the same.
 // Requirements: head_dim even and <= MAX_HEAD_DIM; block_size a power of two; the partition
 // size a multiple of block_size.
 #include "common.cuh"
 
-#define NUM_WARPS 4
-#define QUERY_TILE 16                              // queries per prefill thread block
-#define QUERIES_PER_WARP (QUERY_TILE / NUM_WARPS)
-#define KV_SUBTILE 16                              // KV positions staged in shared memory at once
 #define SELECT_SHARED_BLOCKS 4096                  // block bounds ranked in shared memory (16 KiB)
 
 // ------------------------------------------------------------------------------ decode
@@ -45,14 +42,15 @@ __device__ void paged_decode(T* __restrict__ out, float* __restrict__ part_out,
                              const float* __restrict__ v_scale, const unsigned char* __restrict__ chosen,
                              const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
                              int max_blocks, int num_kv_heads, int head_dim, int block_size,
-                             int partition_size, int sparse, float scale, float* s_max, float* s_sum,
+                             int partition_size, int sparse, int window, float scale, float* s_max, float* s_sum,
                              float (*s_acc)[MAX_HEAD_DIM]) {
     const int head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
     const int num_heads = gridDim.x, num_parts = gridDim.z;
     const int kv_head = head / (num_heads / num_kv_heads);   // GQA: heads share a KV head
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int seq_len = seq_lens[seq];
-    const int start = part * partition_size;
+    const int lo = window_start(seq_len - 1, window);        // the first position the query reads
+    const int start = lo - lo % block_size + part * partition_size;   // partitions from lo's block on
     const int end = min(seq_len, start + partition_size);
 
     // This lane's dims of the (scaled) query and of the running output.
@@ -73,7 +71,7 @@ __device__ void paged_decode(T* __restrict__ out, float* __restrict__ part_out,
         const long long first_token = ((long long)table[b] * num_kv_heads + kv_head) * block_size;
         const int first = b * block_size;
         const int last = min(end, first + block_size);
-        for (int pos = first; pos < last; ++pos) {
+        for (int pos = max(first, lo); pos < last; ++pos) {     // a window's first block: from lo
             const long long token = first_token + (pos - first);   // (block, kv head, offset)
             const C* k_row = k_cache + token * head_dim;
             float s = 0.f;
@@ -165,106 +163,6 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
     }
 }
 
-// ------------------------------------------------------------------------------ prefill
-
-template <typename T, typename C, int FMT>
-__device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, const C* __restrict__ k_cache,
-                              const C* __restrict__ v_cache, const float* __restrict__ k_scale,
-                              const float* __restrict__ v_scale, const unsigned char* __restrict__ chosen,
-                              const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
-                              const int* __restrict__ query_start_loc, const long long* __restrict__ tiles,
-                              int max_blocks, int num_kv_heads, int head_dim, int block_size, int sparse,
-                              float scale, float (*s_k)[MAX_HEAD_DIM], float (*s_v)[MAX_HEAD_DIM]) {
-    // tiles on x (up to 2^31 - 1 of them), heads on y
-    const int head = blockIdx.y, num_heads = gridDim.y;
-    const int kv_head = head / (num_heads / num_kv_heads);
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int seq = (int)tiles[2 * blockIdx.x], t0 = (int)tiles[2 * blockIdx.x + 1];
-    const int seq_start = query_start_loc[seq], seq_end = query_start_loc[seq + 1];
-    const int t1 = min(t0 + QUERY_TILE, seq_end);
-    const int first_pos = seq_lens[seq] - (seq_end - seq_start) + (t0 - seq_start);
-    const int last_pos = first_pos + (t1 - t0) - 1;
-
-    // Warp w owns queries t0 + w, t0 + w + NUM_WARPS, ... of the tile.
-    float qv[QUERIES_PER_WARP][2 * MAX_PAIRS], acc[QUERIES_PER_WARP][2 * MAX_PAIRS];
-    float m[QUERIES_PER_WARP], l[QUERIES_PER_WARP];
-    for (int j = 0; j < QUERIES_PER_WARP; ++j) {
-        const int t = t0 + warp + j * NUM_WARPS;
-        for (int i = 0; i < MAX_PAIRS; ++i) {
-            const int d = 64 * i + 2 * lane;
-            float2 x = (t < t1 && d < head_dim) ? load2(q + ((long long)t * num_heads + head) * head_dim + d)
-                                                : make_float2(0.f, 0.f);
-            qv[j][2 * i] = x.x * scale;
-            qv[j][2 * i + 1] = x.y * scale;
-            acc[j][2 * i] = acc[j][2 * i + 1] = 0.f;
-        }
-        m[j] = -INFINITY;
-        l[j] = 0.f;
-    }
-
-    // s_k, s_v (KV_SUBTILE, MAX_HEAD_DIM): the staged keys and values, in shared memory
-    const int* table = block_tables + (long long)seq * max_blocks;
-    // a sequence whose one new token decodes (in a mixed batch) reads only its chosen blocks
-    const bool skip_blocks = sparse && seq_end - seq_start == 1;
-    const unsigned char* keep = chosen + ((long long)seq * num_heads + head) * max_blocks;
-    for (int sub = 0; sub <= last_pos; sub += KV_SUBTILE) {
-        // Stage positions sub .. sub + KV_SUBTILE - 1 (through the block table) for all warps.
-        const int count = min(KV_SUBTILE, last_pos + 1 - sub);
-        for (int i = threadIdx.x; i < count * head_dim; i += blockDim.x) {
-            const int pos = sub + i / head_dim, d = i % head_dim;
-            if (skip_blocks && !keep[pos / block_size]) continue;   // never read: not staged
-            const long long token = ((long long)table[pos / block_size] * num_kv_heads + kv_head) * block_size
-                                    + pos % block_size;
-            s_k[i / head_dim][d] = widen<FMT>(k_cache[token * head_dim + d]) * token_scale<FMT>(k_scale, token);
-            s_v[i / head_dim][d] = widen<FMT>(v_cache[token * head_dim + d]) * token_scale<FMT>(v_scale, token);
-        }
-        __syncthreads();
-        for (int j = 0; j < QUERIES_PER_WARP; ++j) {
-            const int t = t0 + warp + j * NUM_WARPS;
-            const int qpos = first_pos + (t - t0);
-            if (t >= t1) continue;                          // warp-uniform: whole warp skips
-            const int visible = min(count, qpos - sub + 1);  // causal: positions <= qpos
-            for (int o = 0; o < visible; ++o) {
-                if (skip_blocks && !keep[(sub + o) / block_size]) continue;   // warp-uniform
-                float s = 0.f;
-                for (int i = 0; i < MAX_PAIRS; ++i) {
-                    const int d = 64 * i + 2 * lane;
-                    if (d < head_dim) {  // one 8-byte read: no bank conflict between lanes l and l + 16
-                        const float2 kk = *reinterpret_cast<const float2*>(&s_k[o][d]);
-                        s += qv[j][2 * i] * kk.x + qv[j][2 * i + 1] * kk.y;
-                    }
-                }
-                s = warp_sum(s);
-                const float m_new = fmaxf(m[j], s);
-                const float correction = __expf(m[j] - m_new), p = __expf(s - m_new);
-                l[j] = l[j] * correction + p;
-                for (int i = 0; i < MAX_PAIRS; ++i) {
-                    const int d = 64 * i + 2 * lane;
-                    if (d < head_dim) {
-                        const float2 vv = *reinterpret_cast<const float2*>(&s_v[o][d]);
-                        acc[j][2 * i] = acc[j][2 * i] * correction + p * vv.x;
-                        acc[j][2 * i + 1] = acc[j][2 * i + 1] * correction + p * vv.y;
-                    }
-                }
-                m[j] = m_new;
-            }
-        }
-        __syncthreads();  // before the next sub-tile overwrites shared memory
-    }
-    for (int j = 0; j < QUERIES_PER_WARP; ++j) {
-        const int t = t0 + warp + j * NUM_WARPS;
-        if (t >= t1) continue;
-        T* o_row = out + ((long long)t * num_heads + head) * head_dim;
-        for (int i = 0; i < MAX_PAIRS; ++i) {
-            const int d = 64 * i + 2 * lane;
-            if (d < head_dim) {
-                store(o_row + d, acc[j][2 * i] / l[j]);
-                store(o_row + d + 1, acc[j][2 * i + 1] / l[j]);
-            }
-        }
-    }
-}
-
 // ------------------------------------------------------------------------------ block-sparse selection
 
 template <typename T>
@@ -311,38 +209,20 @@ __device__ void paged_select_blocks(unsigned char* __restrict__ chosen, float* _
 }
 
 // ------------------------------------------------------------------------------ entry points
-// One per activation type (float, half); the cache's format is an argument (kv_format),
-// switched on once: each case is the kernel body compiled for that storage type. Shared
-// memory is declared here, once, and handed to whichever body runs (declared inside the
-// template, each of the four instantiations would reserve its own).
+// One per activation type (float, half, bfloat16); the cache's format is an argument
+// (kv_format, DISPATCH_FORMAT in common.cuh). Shared memory is declared here, once, and handed
+// to whichever body runs (declared inside the template, each of the four instantiations would
+// reserve its own).
 
 #define DECODE_SHARED                                                                         \
     __shared__ float s_max[NUM_WARPS], s_sum[NUM_WARPS];                                      \
     __shared__ float s_acc[NUM_WARPS][MAX_HEAD_DIM];
 
-// read as float2 (8-byte loads) by the prefill kernel: aligned to at least 8 bytes
-#define PREFILL_SHARED                                                                        \
-    __shared__ __align__(16) float s_k[KV_SUBTILE][MAX_HEAD_DIM];                             \
-    __shared__ __align__(16) float s_v[KV_SUBTILE][MAX_HEAD_DIM];
-
-#define DISPATCH_FORMAT(T, CALL)                                                              \
-    switch (kv_format) {                                                                      \
-        case KV_INT8: CALL(T, signed char, KV_INT8); break;                                   \
-        case KV_FP8_E4M3: CALL(T, unsigned char, KV_FP8_E4M3); break;                         \
-        case KV_FP8_E5M2: CALL(T, unsigned char, KV_FP8_E5M2); break;                         \
-        default: CALL(T, T, KV_FLOAT);                                                        \
-    }
-
 #define DECODE(T, C, FMT)                                                                     \
     paged_decode<T, C, FMT>(out, part_out, part_max, part_sum, q, (const C*)k_cache,          \
                             (const C*)v_cache, k_scale, v_scale, chosen, block_tables, seq_lens, \
-                            max_blocks, num_kv_heads, head_dim, block_size, partition_size, sparse, scale, \
-                            s_max, s_sum, s_acc)
-
-#define PREFILL(T, C, FMT)                                                                    \
-    paged_prefill<T, C, FMT>(out, q, (const C*)k_cache, (const C*)v_cache, k_scale, v_scale, chosen, \
-                             block_tables, seq_lens, query_start_loc, tiles, max_blocks, num_kv_heads, \
-                             head_dim, block_size, sparse, scale, s_k, s_v)
+                            max_blocks, num_kv_heads, head_dim, block_size, partition_size, sparse, window, \
+                            scale, s_max, s_sum, s_acc)
 
 extern "C" __global__ void paged_decode_f32(float* __restrict__ out, float* __restrict__ part_out,
                                             float* __restrict__ part_max, float* __restrict__ part_sum,
@@ -353,7 +233,7 @@ extern "C" __global__ void paged_decode_f32(float* __restrict__ out, float* __re
                                             const int* __restrict__ block_tables,
                                             const int* __restrict__ seq_lens, int max_blocks,
                                             int num_kv_heads, int head_dim, int block_size,
-                                            int partition_size, int kv_format, int sparse, float scale) {
+                                            int partition_size, int kv_format, int sparse, int window, float scale) {
     DECODE_SHARED
     DISPATCH_FORMAT(float, DECODE)
 }
@@ -367,9 +247,23 @@ extern "C" __global__ void paged_decode_f16(__half* __restrict__ out, float* __r
                                             const int* __restrict__ block_tables,
                                             const int* __restrict__ seq_lens, int max_blocks,
                                             int num_kv_heads, int head_dim, int block_size,
-                                            int partition_size, int kv_format, int sparse, float scale) {
+                                            int partition_size, int kv_format, int sparse, int window, float scale) {
     DECODE_SHARED
     DISPATCH_FORMAT(__half, DECODE)
+}
+
+extern "C" __global__ void paged_decode_bf16(__nv_bfloat16* __restrict__ out, float* __restrict__ part_out,
+                                             float* __restrict__ part_max, float* __restrict__ part_sum,
+                                             const __nv_bfloat16* __restrict__ q, const void* __restrict__ k_cache,
+                                             const void* __restrict__ v_cache, const float* __restrict__ k_scale,
+                                             const float* __restrict__ v_scale,
+                                             const unsigned char* __restrict__ chosen,
+                                             const int* __restrict__ block_tables,
+                                             const int* __restrict__ seq_lens, int max_blocks,
+                                             int num_kv_heads, int head_dim, int block_size,
+                                             int partition_size, int kv_format, int sparse, int window, float scale) {
+    DECODE_SHARED
+    DISPATCH_FORMAT(__nv_bfloat16, DECODE)
 }
 
 extern "C" __global__ void paged_decode_reduce_f32(float* __restrict__ out, const float* __restrict__ part_out,
@@ -386,32 +280,11 @@ extern "C" __global__ void paged_decode_reduce_f16(__half* __restrict__ out, con
     paged_decode_reduce<__half>(out, part_out, part_max, part_sum, num_parts, head_dim);
 }
 
-extern "C" __global__ void paged_prefill_f32(float* __restrict__ out, const float* __restrict__ q,
-                                             const void* __restrict__ k_cache, const void* __restrict__ v_cache,
-                                             const float* __restrict__ k_scale, const float* __restrict__ v_scale,
-                                             const unsigned char* __restrict__ chosen,
-                                             const int* __restrict__ block_tables,
-                                             const int* __restrict__ seq_lens,
-                                             const int* __restrict__ query_start_loc,
-                                             const long long* __restrict__ tiles, int max_blocks,
-                                             int num_kv_heads, int head_dim, int block_size, int kv_format,
-                                             int sparse, float scale) {
-    PREFILL_SHARED
-    DISPATCH_FORMAT(float, PREFILL)
-}
-
-extern "C" __global__ void paged_prefill_f16(__half* __restrict__ out, const __half* __restrict__ q,
-                                             const void* __restrict__ k_cache, const void* __restrict__ v_cache,
-                                             const float* __restrict__ k_scale, const float* __restrict__ v_scale,
-                                             const unsigned char* __restrict__ chosen,
-                                             const int* __restrict__ block_tables,
-                                             const int* __restrict__ seq_lens,
-                                             const int* __restrict__ query_start_loc,
-                                             const long long* __restrict__ tiles, int max_blocks,
-                                             int num_kv_heads, int head_dim, int block_size, int kv_format,
-                                             int sparse, float scale) {
-    PREFILL_SHARED
-    DISPATCH_FORMAT(__half, PREFILL)
+extern "C" __global__ void paged_decode_reduce_bf16(__nv_bfloat16* __restrict__ out, const float* __restrict__ part_out,
+                                                    const float* __restrict__ part_max,
+                                                    const float* __restrict__ part_sum, int num_parts,
+                                                    int head_dim) {
+    paged_decode_reduce<__nv_bfloat16>(out, part_out, part_max, part_sum, num_parts, head_dim);
 }
 
 extern "C" __global__ void paged_select_blocks_f32(unsigned char* __restrict__ chosen, float* __restrict__ bound,
@@ -436,4 +309,17 @@ extern "C" __global__ void paged_select_blocks_f16(unsigned char* __restrict__ c
                                                    float scale) {
     paged_select_blocks<__half>(chosen, bound, q, key_min, key_max, block_tables, seq_lens, query_start_loc,
                                 max_blocks, num_kv_heads, head_dim, block_size, keep, scale);
+}
+
+extern "C" __global__ void paged_select_blocks_bf16(unsigned char* __restrict__ chosen, float* __restrict__ bound,
+                                                    const __nv_bfloat16* __restrict__ q,
+                                                    const float* __restrict__ key_min,
+                                                    const float* __restrict__ key_max,
+                                                    const int* __restrict__ block_tables,
+                                                    const int* __restrict__ seq_lens,
+                                                    const int* __restrict__ query_start_loc, int max_blocks,
+                                                    int num_kv_heads, int head_dim, int block_size, int keep,
+                                                    float scale) {
+    paged_select_blocks<__nv_bfloat16>(chosen, bound, q, key_min, key_max, block_tables, seq_lens, query_start_loc,
+                                       max_blocks, num_kv_heads, head_dim, block_size, keep, scale);
 }

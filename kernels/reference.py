@@ -107,7 +107,7 @@ def gather_context(cache: np.ndarray, block_table: np.ndarray, seq_len: int) -> 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     block_tables: np.ndarray, seq_lens: np.ndarray,
-                    query_start_loc: np.ndarray, scale: float) -> np.ndarray:
+                    query_start_loc: np.ndarray, scale: float, window: int = 0) -> np.ndarray:
     """Causal attention of a flattened batch of query tokens through block tables.
 
     q:               (T, num_heads, head_dim)
@@ -115,26 +115,32 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     block_tables:    (S, max_blocks) int
     seq_lens:        (S,) context length of each sequence (new tokens included)
     query_start_loc: (S+1,) sequence s owns query rows [qsl[s], qsl[s+1])
+    window:          0, or a sliding window: the query at position p reads p - window + 1 .. p
+                     (transformers' mask), and table entries of blocks before that are never read
     returns          (T, num_heads, head_dim) float32
 
     Query head h reads KV head ``h // (num_heads // num_kv_heads)`` (GQA).
     """
     num_heads = q.shape[1]
     group = num_heads // k_cache.shape[1]
+    block_size = k_cache.shape[2]
     out = np.zeros(q.shape, dtype=np.float32)
     for s in range(len(seq_lens)):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
         seq_len = int(seq_lens[s])
-        keys = gather_context(k_cache, block_tables[s], seq_len)    # (seq_len, Hkv, D)
-        values = gather_context(v_cache, block_tables[s], seq_len)  # (seq_len, Hkv, D)
         for i, t in enumerate(range(start, end)):
             pos = seq_len - (end - start) + i       # this query's own position
+            first = max(pos - window + 1, 0) if window else 0
+            seen = range(first, pos + 1)            # the positions it reads
+            keys = np.stack([k_cache[block_tables[s][p // block_size], :, p % block_size] for p in seen])
+            values = np.stack([v_cache[block_tables[s][p // block_size], :, p % block_size] for p in seen])
+            keys, values = keys.astype(np.float32), values.astype(np.float32)   # (len(seen), Hkv, D)
             for h in range(num_heads):
                 kv = h // group
-                scores = keys[: pos + 1, kv, :] @ q[t, h].astype(np.float32) * scale  # (pos+1,)
+                scores = keys[:, kv, :] @ q[t, h].astype(np.float32) * scale  # (len(seen),)
                 weights = np.exp(scores - scores.max())
                 weights /= weights.sum()
-                out[t, h] = weights @ values[: pos + 1, kv, :]
+                out[t, h] = weights @ values[:, kv, :]
     return out
 
 

@@ -32,7 +32,7 @@ from numba import njit, prange
 
 from .kv_quant import KV_FLOAT, KV_INT8, K_SCALE_CONSTANT, V_SCALE_CONSTANT, float_to_fp8, fp8_widen_scale, widen
 from .layout import AttentionMetadata, BlockBounds, KVQuant
-from .ops import ModelWeights, Rope, check_block_ids, check_slots
+from .ops import ModelWeights, Rope, check_block_ids, check_slots, first_read_positions, window_first_read
 
 # --------------------------------------------------------------------------- small per-token math
 
@@ -166,10 +166,11 @@ def _choose_blocks(q_head, key_min, key_max, table, kv_head, num_blocks, keep):
 
 
 @njit(cache=True)
-def _attend(q_head, k_cache, v_cache, table, kv_head, pos, chosen, fmt, k_scale, v_scale, out):
+def _attend(q_head, k_cache, v_cache, table, kv_head, first, pos, chosen, fmt, k_scale, v_scale, out):
     """One query head, q_head (D,) already times the softmax scale, over the keys at positions
-    0 .. pos of its sequence, block by block through its block table (max_blocks,), skipping the
-    blocks ``chosen`` (blocks,) leaves out: an online softmax whose result goes to out (D,)."""
+    first .. pos of its sequence (first > 0: a sliding window), block by block through its block
+    table (max_blocks,), skipping the blocks ``chosen`` (blocks,) leaves out: an online softmax
+    whose result goes to out (D,)."""
     block_size, head_dim = k_cache.shape[2], k_cache.shape[3]
     # widen(value, fmt) reads a stored value as a float32: a float as it is, an int8 code as a
     # number, an fp8 byte as its value / fp8_widen_scale(fmt) (2^8 for e4m3), which the fp8
@@ -182,13 +183,14 @@ def _attend(q_head, k_cache, v_cache, table, kv_head, pos, chosen, fmt, k_scale,
     acc = np.zeros(head_dim, np.float32)               # (D,) running sum of weight * value
     run_max = np.float32(-np.inf)                      # the highest score so far
     run_sum = np.float32(0.0)                          # the sum of e^(score - run_max) so far
-    for j in range(pos // block_size + 1):             # the blocks that hold positions 0 .. pos
+    for j in range(first // block_size, pos // block_size + 1):   # the blocks that hold first .. pos
         if not chosen[j]:
             continue
         block = table[j]
+        start = max(first - j * block_size, 0)         # the window: the first block is cut at first
         valid = min(block_size, pos + 1 - j * block_size)     # causal: the last block is cut at pos
         block_max = np.float32(-np.inf)
-        for o in range(valid):
+        for o in range(start, valid):
             dot = np.float32(0.0)
             for d in range(head_dim):
                 dot += q_head[d] * widen(k_cache[block, kv_head, o, d], fmt)
@@ -199,7 +201,7 @@ def _attend(q_head, k_cache, v_cache, table, kv_head, pos, chosen, fmt, k_scale,
         run_sum *= correction
         for d in range(head_dim):
             acc[d] *= correction
-        for o in range(valid):
+        for o in range(start, valid):
             weight = np.exp(scores[o] - new_max)
             run_sum += weight
             weight *= v_scale[block, kv_head, o] if int8 else v_layer
@@ -212,11 +214,12 @@ def _attend(q_head, k_cache, v_cache, table, kv_head, pos, chosen, fmt, k_scale,
 
 @njit(parallel=True, cache=True)
 def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                     fmt, k_scale, v_scale, key_min, key_max, keep):
+                     fmt, k_scale, v_scale, key_min, key_max, keep, window):
     """Causal attention of q (T, H, D) through the block tables (S, max_blocks): (T, H, D).
     Sequence s owns query rows query_start_loc[s] .. query_start_loc[s + 1] - 1 (S + 1,), the
     last tokens of its seq_lens[s] (S,); each token runs on its own thread. With keep > 0, a
-    sequence of one query (a decode) whose context spans more than keep blocks is block-sparse."""
+    sequence of one query (a decode) whose context spans more than keep blocks is block-sparse.
+    With window > 0 the token at pos reads only pos - window + 1 .. pos."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size = k_cache.shape[2]
     group = num_heads // k_cache.shape[1]              # query heads per KV head (GQA)
@@ -225,6 +228,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         s = np.searchsorted(query_start_loc, t, side="right") - 1   # the sequence t belongs to
         q_len = query_start_loc[s + 1] - query_start_loc[s]
         pos = seq_lens[s] - q_len + (t - query_start_loc[s])        # t's position: it sees 0 .. pos
+        first = max(pos - window + 1, 0) if window > 0 else 0       # ... or a window's last ones
         num_blocks = pos // block_size + 1
         sparse = keep > 0 and q_len == 1 and num_blocks > keep
         q_head = np.empty(head_dim, np.float32)        # (D,) one head's query, times scale
@@ -236,7 +240,7 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
                 chosen = _choose_blocks(q_head, key_min, key_max, block_tables[s], kv_head, num_blocks, keep)
             else:
                 chosen = np.ones(num_blocks, np.bool_)         # (num_blocks,) dense: every block
-            _attend(q_head, k_cache, v_cache, block_tables[s], kv_head, pos, chosen,
+            _attend(q_head, k_cache, v_cache, block_tables[s], kv_head, first, pos, chosen,
                     fmt, k_scale, v_scale, out[t, h])
     return out
 
@@ -274,7 +278,8 @@ class SimpleOps:
         layer writes (write_kv and paged_attention check them again when called on their own)."""
         if kv_cache is not None:
             num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[4]
-            check_block_ids(meta.block_tables, meta.seq_lens, block_size, num_blocks, self.name)
+            check_block_ids(meta.block_tables, meta.seq_lens, block_size, num_blocks, self.name,
+                            first_read_positions(weights, meta))
             check_slots(meta.slot_mapping, num_blocks * block_size, self.name)
         return meta
 
@@ -319,14 +324,20 @@ class SimpleOps:
             scale[...] = np.float32(top / constant) if top > 0 else np.float32(1.0)
 
     def paged_attention(self, q, k_cache, v_cache, plan: AttentionMetadata, scale: float,
-                        quant: KVQuant | None = None, bounds: BlockBounds | None = None) -> np.ndarray:
+                        quant: KVQuant | None = None, bounds: BlockBounds | None = None,
+                        window: int = 0) -> np.ndarray:
         """Causal attention of q (T, H, D) over each sequence's context in k_cache, v_cache
         (N, KVH, B, D) through its block table: float32 (T, H, D). ``plan`` is the step's
-        AttentionMetadata; ``bounds`` turns on block-sparse decode (keep ``bounds.keep`` blocks).
+        AttentionMetadata; ``bounds`` turns on block-sparse decode (keep ``bounds.keep`` blocks);
+        ``window`` > 0: a sliding window (the token at p reads p - window + 1 .. p).
         A block id outside the pool is an IndexError, raised before anything is read."""
         meta = plan
         num_blocks, _, block_size, _ = k_cache.shape
-        check_block_ids(meta.block_tables, meta.seq_lens, block_size, num_blocks, self.name)
+        if bounds is not None and window:
+            raise ValueError("the simple kernels: block-sparse decode attention with a sliding window "
+                             "is not supported")
+        check_block_ids(meta.block_tables, meta.seq_lens, block_size, num_blocks, self.name,
+                        window_first_read(meta, window))
         fmt, k_scale, v_scale = _format(quant)
         if bounds is None:                             # dense: no key bounds to read
             no_bounds = np.zeros((1, 1, 1), np.float32)
@@ -334,7 +345,7 @@ class SimpleOps:
         else:
             key_min, key_max, keep = bounds.key_min, bounds.key_max, int(bounds.keep)
         return _paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                np.float32(scale), fmt, k_scale, v_scale, key_min, key_max, keep)
+                                np.float32(scale), fmt, k_scale, v_scale, key_min, key_max, keep, int(window))
 
     # ---------------------------------------------------------------- the pool (DMA)
     def swap_blocks(self, src: np.ndarray, dst: np.ndarray, block_mapping) -> None:

@@ -113,7 +113,7 @@ class SchedulerConfig:
 
 
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "float32", "float16")   # bfloat16 weights are widened on load; no bf16 kernels
+DTYPES = ("auto", "float32", "float16", "bfloat16")   # the CPU computes in float32 (bf16 widened on load)
 CPU_GEMMS = ("auto", "mkl", "numba")      # the fast tier's linear layers (kernels/fast/packed_gemm.py)
 KERNEL_TIERS = ("fast", "simple")         # the CPU's tiers of kernels (kernels/ops.py); a GPU runs CUDA's
 

@@ -12,6 +12,10 @@ step to ``ops.decode_step`` (a tier may run every layer in one call, or decline)
 by layer: rms_norm, linear, rotary, write_kv, paged_attention, linear, rms_norm, linear,
 silu_and_mul, linear, as the reference forward (``model/reference.py``) does with a paged cache.
 
+The families (model/config.py) are options of this one forward, each a layer field that is None or 0
+where the family has none: q/k/v biases (Qwen2), an RMSNorm over each head's q and k before RoPE
+(Qwen3), an output bias (``attention_bias``), and a sliding window per layer (Mistral, Qwen2).
+
 A worker of a tensor- or pipeline-parallel engine holds a shard (``model/sharding.py``):
 ``run`` is then a generator that stops at each all-reduce (twice per layer), hands out its
 partial sum and waits for the total, so one code path serves one worker, workers in one
@@ -92,6 +96,16 @@ class LlamaModel:
                                   _get(tensors, p + "self_attn.v_proj.weight", (kv, h))])
             gate_up = np.concatenate([_get(tensors, p + "mlp.gate_proj.weight", (ffn, h)),
                                       _get(tensors, p + "mlp.up_proj.weight", (ffn, h))])
+            qkv_bias = o_bias = q_norm = k_norm = None
+            if c.qkv_bias:                   # Qwen2: (q + 2kv,) rows [q | k | v], as qkv's
+                qkv_bias = put(np.concatenate([_get(tensors, p + "self_attn.q_proj.bias", (q,)),
+                                               _get(tensors, p + "self_attn.k_proj.bias", (kv,)),
+                                               _get(tensors, p + "self_attn.v_proj.bias", (kv,))]))
+            if c.o_bias and self.shard.tp_rank == 0:     # a shard's partial sums add it once
+                o_bias = put(_get(tensors, p + "self_attn.o_proj.bias", (h,)))    # (hidden,)
+            if c.qk_norm:                    # Qwen3: (head_dim,) each, shared by every head
+                q_norm = put(_get(tensors, p + "self_attn.q_norm.weight", (c.head_dim,)))
+                k_norm = put(_get(tensors, p + "self_attn.k_norm.weight", (c.head_dim,)))
             layers.append(LayerWeights(
                 input_norm=put(_get(tensors, p + "input_layernorm.weight", (h,))),
                 qkv=put(qkv),
@@ -99,6 +113,7 @@ class LlamaModel:
                 post_norm=put(_get(tensors, p + "post_attention_layernorm.weight", (h,))),
                 gate_up=put(gate_up),
                 down=put(_get(tensors, p + "mlp.down_proj.weight", (h, ffn))),
+                qkv_bias=qkv_bias, o_bias=o_bias, q_norm=q_norm, k_norm=k_norm, window=c.window(i),
             ))
         # The tier's copy: the same values, in whatever layout its kernels read (kernels/ops.py).
         self.weights = ops.prepare(ModelWeights(embed, layers, final_norm, lm_head))
@@ -165,7 +180,7 @@ class LlamaModel:
             # head below, the same floats)
             rows = hidden.shape[0]
             with_head = (self.shard.is_last_stage and self.shard.has_lm_head and logits_indices.shape[0] == rows
-                         and bool((logits_indices == np.arange(rows)).all()))
+                         and bool((logits_indices == ops.xp.arange(rows)).all()))
             fused = ops.decode_step(w, hidden, positions, kv_cache, plan, self.rope, self.scale, c.rms_norm_eps,
                                     c.num_attention_heads, with_head, layer_quant, layer_bounds)
         if fused is not None:
@@ -194,9 +209,14 @@ class LlamaModel:
         for i, layer in enumerate(self.weights.layers):
             x = ops.rms_norm(hidden, layer.input_norm, c.rms_norm_eps)          # (T, hidden)
             qkv = ops.linear(x, layer.qkv, plan)                                # (T, q + 2kv)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias                                      # (T, q + 2kv)
             q = qkv[:, :q_size].reshape(num_tokens, c.num_attention_heads, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, c.num_key_value_heads, c.head_dim)
             v = qkv[:, q_size + kv_size:].reshape(num_tokens, c.num_key_value_heads, c.head_dim)
+            if layer.q_norm is not None:     # each head's vector (head_dim,) normalised on its own
+                q = ops.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, c.rms_norm_eps).reshape(q.shape)
+                k = ops.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, c.rms_norm_eps).reshape(k.shape)
             q = ops.rotary(q, positions, cos, sin)                              # (T, heads, head_dim)
             k = ops.rotary(k, positions, cos, sin)                              # (T, kv_heads, head_dim)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
@@ -206,8 +226,11 @@ class LlamaModel:
             if quant is not None and quant.calibrate:   # fp8's calculate_kv_scales, first step
                 ops.calibrate_kv_scales(k, v, quant)
             ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, quant, bounds)
-            attn = ops.paged_attention(q, k_cache, v_cache, plan, self.scale, quant, bounds)   # (T, heads, head_dim)
+            attn = ops.paged_attention(q, k_cache, v_cache, plan, self.scale, quant, bounds,
+                                       layer.window)                            # (T, heads, head_dim)
             out = ops.linear(attn.reshape(num_tokens, q_size), layer.o, plan)  # (T, hidden)
+            if layer.o_bias is not None:
+                out = out + layer.o_bias                                        # (T, hidden)
             if split:                        # all-reduce: every rank's heads' share of the output
                 out = yield out
             hidden = hidden + out            # a new array: the MLP adds into its rows in place

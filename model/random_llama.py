@@ -82,14 +82,20 @@ def byte_symbols() -> list[str]:
     return [symbols[b] for b in range(256)]
 
 
-def write_tokenizer(path: Path) -> None:
-    # token id 3 + b is byte b, so ids 35..129 are printable ASCII
-    vocab = {t: i for i, t in enumerate(SPECIALS + byte_symbols())}
+def byte_level_backend(specials: list[str]) -> Backend:
+    """A byte-level BPE with no merges: the specials (ids 0, 1, ...), then the 256 bytes in byte
+    order (id len(specials) + b is byte b)."""
+    vocab = {t: i for i, t in enumerate(specials + byte_symbols())}
     backend = Backend(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    backend.save(str(path / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return backend
+
+
+def write_tokenizer(path: Path) -> None:
+    # token id 3 + b is byte b, so ids 35..129 are printable ASCII
+    byte_level_backend(SPECIALS).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML}))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))

@@ -61,18 +61,30 @@ def reference_logits(config: LlamaConfig, tensors: dict[str, np.ndarray],
     x = w["model.embed_tokens.weight"][ids]                          # (L, hidden)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
+        mask = causal                                                # (L, L)
+        if c.window(i):   # a sliding window: query q sees keys q - window + 1 .. q
+            mask = causal + np.tril(np.full((L, L), -np.inf), k=-c.window(i))
         h = _rms_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
-        q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(L, H, d)
-        k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(L, Hkv, d)
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(L, Hkv, d)
+        projected = []
+        for name, heads in (("q", H), ("k", Hkv), ("v", Hkv)):
+            y = h @ w[p + f"self_attn.{name}_proj.weight"].T            # (L, heads * d)
+            if c.qkv_bias:
+                y = y + w[p + f"self_attn.{name}_proj.bias"]
+            projected.append(y.reshape(L, heads, d))
+        q, k, v = projected
+        if c.qk_norm:                                                 # per head, over d
+            q = _rms_norm(q, w[p + "self_attn.q_norm.weight"], c.rms_norm_eps)
+            k = _rms_norm(k, w[p + "self_attn.k_norm.weight"], c.rms_norm_eps)
         q, k = _rotate(q, positions, inv_freq), _rotate(k, positions, inv_freq)
         k = np.repeat(k, H // Hkv, axis=1)                           # (L, H, d): GQA by repetition
         v = np.repeat(v, H // Hkv, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d) + causal  # (H, L, L)
+        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d) + mask    # (H, L, L)
         scores = np.exp(scores - scores.max(-1, keepdims=True))
         probs = scores / scores.sum(-1, keepdims=True)
         attn = np.einsum("hqk,khd->qhd", probs, v).reshape(L, H * d)
         x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+        if c.o_bias:
+            x = x + w[p + "self_attn.o_proj.bias"]
         h = _rms_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
         gate = h @ w[p + "mlp.gate_proj.weight"].T
         up = h @ w[p + "mlp.up_proj.weight"].T

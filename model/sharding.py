@@ -71,10 +71,12 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
 def shard_config(config: LlamaConfig, spec: ShardSpec) -> LlamaConfig:
     """The shape of the model a worker runs: its heads, its MLP columns, its layers."""
     tp = spec.tp_size
+    layers = stage_layers(config.num_hidden_layers, spec.pp_size, spec.pp_rank)
     return dataclasses.replace(
         config, num_attention_heads=config.num_attention_heads // tp,
         num_key_value_heads=config.num_key_value_heads // tp, intermediate_size=config.intermediate_size // tp,
-        num_hidden_layers=len(stage_layers(config.num_hidden_layers, spec.pp_size, spec.pp_rank)))
+        num_hidden_layers=len(layers),
+        layer_windows=tuple(config.layer_windows[i] for i in layers) if config.layer_windows else ())
 
 
 def shard_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig, spec: ShardSpec) -> dict[str, np.ndarray]:
@@ -105,6 +107,15 @@ def shard_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig, spec: Sha
         take("mlp.gate_proj.weight", rows=ffn)              # (ffn / tp, hidden)
         take("mlp.up_proj.weight", rows=ffn)
         take("mlp.down_proj.weight", cols=ffn)              # (hidden, ffn / tp)
+        if config.qkv_bias:                                 # Qwen2: each rank its heads' biases
+            take("self_attn.q_proj.bias", rows=q_rows)      # (q_size / tp,)
+            take("self_attn.k_proj.bias", rows=kv_rows)     # (kv_size / tp,)
+            take("self_attn.v_proj.bias", rows=kv_rows)
+        if config.o_bias and r == 0:                        # added once: by rank 0's partial sum
+            take("self_attn.o_proj.bias")                   # (hidden,)
+        if config.qk_norm:                                  # Qwen3: per head_dim, the same on every rank
+            take("self_attn.q_norm.weight")                 # (head_dim,)
+            take("self_attn.k_norm.weight")
     tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
     for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
         wanted = {"model.embed_tokens.weight": spec.is_first_stage or (spec.has_lm_head and tied),

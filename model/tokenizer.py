@@ -44,6 +44,8 @@ def _as_list(ids) -> list[int]:
 
 
 BASE_ROLES = ("system", "user", "assistant")   # every chat template knows these
+# The names a message's reasoning comes under; templates read the first (Qwen3) or "thinking" (gpt-oss).
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def unicode_problem(text: str) -> str | None:
@@ -121,6 +123,17 @@ def chars_per_token_bound(backend) -> int | None:
 def _shown(value, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _as_template_sees_it(message: dict) -> dict:
+    """A message as transformers hands it to a template: keys whose value is None dropped (an
+    OpenAI client's "tool_calls": null is no tool call), and its reasoning, under whichever name
+    it came, under "reasoning_content" and "thinking" too."""
+    message = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _compile_template(source: str):
@@ -275,16 +288,20 @@ class Tokenizer:
         """Render a conversation ([{"role": "user", "content": "..."}, ...]) into the model's prompt.
 
         With tokenize=True return its ids. The template writes every special token itself,
-        so no BOS/EOS is added on top (as in transformers).
+        so no BOS/EOS is added on top (as in transformers). template_vars (tools, date_string,
+        enable_thinking, ...) reach the template; as in transformers they win over the
+        tokenizer's own bos_token and eos_token.
         """
         if self._template is None:
             raise ValueError("this model directory has no chat template (tokenizer_config.json 'chat_template' "
                              "or chat_template.jinja); use encode() on plain text instead")
         self.check_messages(messages)
+        # transformers always defines tools and documents (None when not given)
+        variables = {"tools": None, "documents": None, "bos_token": self.bos_token or "",
+                     "eos_token": self.eos_token or "", **template_vars}
         try:
-            prompt = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                           bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                           **template_vars)
+            prompt = self._template.render(messages=[_as_template_sees_it(m) for m in messages],
+                                           add_generation_prompt=add_generation_prompt, **variables)
         except TemplateError as err:
             raise ValueError(f"chat template failed: {err}") from None
         return self.encode(prompt) if tokenize else prompt

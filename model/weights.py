@@ -53,12 +53,37 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def load_checkpoint(model_dir: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of a model directory (one file or several shards)."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files holding a model's weights: those ``model.safetensors.index.json``
+    names (a sharded checkpoint); else ``model.safetensors``; else every ``*.safetensors`` but
+    Mistral's ``consolidated*`` copy (its own format, the same weights under other names)."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise ModelFormatError(f"{index} is not a safetensors index (a JSON object with a weight_map)") from None
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise ModelFormatError(f"{index} names {', '.join(missing)}, which {model_dir} lacks")
+        return [model_dir / f for f in files]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    files = [f for f in sorted(model_dir.glob("*.safetensors")) if not f.name.startswith("consolidated")]
     if not files:
         raise ModelFormatError(f"{model_dir} holds no *.safetensors file")
+    return files
+
+
+def load_checkpoint(model_dir: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of a model directory (one file or the shards its index names); fp32, fp16, or
+    bf16 widened to float32."""
     tensors: dict[str, np.ndarray] = {}
-    for file in files:
+    for file in checkpoint_files(model_dir):
         tensors.update(read_safetensors(file))
     return tensors

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call of under ten minutes on a machine with no network:
-#   0. nvidia-smi, then a preflight: the three real CUDA modules compiled by the engine's own
+#   0. nvidia-smi, then a preflight: the four real CUDA modules compiled by the engine's own
 #      loader (kernels.cuda.gpu_ops) and a one-line Numba CUDA kernel launched on a mapped
 #      array. If either fails, the script stops at once, says why in $OUT/FAILED, and runs
 #      nothing else;

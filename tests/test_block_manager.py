@@ -182,9 +182,11 @@ class SharingMachine(RuleBasedStateMachine):
     """
 
     @initialize(num_blocks=st.integers(4, 48), block_size=st.sampled_from([1, 2, 4]),
-                caching=st.booleans())
-    def setup(self, num_blocks, block_size, caching):
-        self.manager = BlockManager(num_blocks, block_size, watermark=0.0, enable_prefix_caching=caching)
+                caching=st.booleans(), window=st.sampled_from([0, 0, 1, 3, 6]))
+    def setup(self, num_blocks, block_size, caching, window):
+        # window > 0: a sliding-window model; blocks slide out as the sequences grow
+        self.manager = BlockManager(num_blocks, block_size, watermark=0.0, enable_prefix_caching=caching,
+                                    sliding_window=window)
         self.memory = {b: [None] * block_size for b in range(num_blocks)}
         self.live: dict[int, Sequence] = {}
         self.next_id = 0
@@ -231,12 +233,29 @@ class SharingMachine(RuleBasedStateMachine):
         seq = self.live[data.draw(st.sampled_from(sorted(self.live)))]
         seq.output_token_ids.append(token)              # sampled last step; written now
         group = SequenceGroup("g", [seq], SamplingParams())
+        self.manager.release_slid_out(seq)              # as the scheduler does before each step
         if not self.manager.can_append_slots([seq]):
             seq.output_token_ids.pop()
             return
         self._copy(self.manager.append_slots(seq))
         self.manager.cache_full_blocks(seq, seq.num_tokens)
         self._write(seq, seq.num_computed_tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def slide(self, data):
+        """A step begins: the blocks wholly before the window go (named ones to the cache's LRU)."""
+        seq = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        m = self.manager
+        table = m.tables[seq.seq_id]
+        before, used = table.num_slid_out, m.num_used_blocks
+        released = m.release_slid_out(seq)
+        assert table.num_slid_out == before + released
+        if m.sliding_window:
+            assert table.num_slid_out == max(seq.num_computed_tokens - m.sliding_window + 1, 0) // m.block_size
+        else:
+            assert released == 0
+        assert m.num_used_blocks <= used
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -249,13 +268,15 @@ class SharingMachine(RuleBasedStateMachine):
         m.check_invariants(list(self.live.values()))
         for seq in self.live.values():
             table = m.tables[seq.seq_id]
+            # what the next query reads: the window's positions (all of them without a window)
+            first = max(seq.num_computed_tokens - m.sliding_window + 1, 0) if m.sliding_window else 0
             read = [self.memory[table.block_ids[p // m.block_size]][p % m.block_size]
-                    for p in range(seq.num_computed_tokens)]
-            assert read == seq.token_ids[:seq.num_computed_tokens]
+                    for p in range(first, seq.num_computed_tokens)]
+            assert read == seq.token_ids[first:seq.num_computed_tokens]
         if m.cache is not None:
             for block, tokens in m.cache.tokens_of.items():
                 assert tuple(self.memory[block]) == tokens, "a cached name points at other tokens"
-        holders = sum(len(t.block_ids) for t in m.tables.values())
+        holders = sum(len(t.mapped()) for t in m.tables.values())
         assert m.num_used_blocks <= holders                                  # sharing never costs
         assert m.num_mapped_blocks == holders
 

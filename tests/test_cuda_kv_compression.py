@@ -1,6 +1,6 @@
 """The CUDA C kernels of the compressed KV cache (int8, fp8 e4m3, fp8 e5m2) and of block-sparse
 decode attention, on the CPU harness, against the NumPy specs and ml_dtypes: quantizing writes
-(float and half input), attention over byte blocks (decode, split-K, prefill, mixed batches;
+(float, half and bfloat16 input), attention over byte blocks (decode, split-K, prefill, mixed batches;
 shuffled tables, partial blocks), the key bounds, the block choice, and the model end to end
 against the Numba kernels. NVRTC compiles the same sources (tests/test_cuda_kernels.py);
 tests/test_gpu.py repeats the checks on a device."""
@@ -62,7 +62,7 @@ def test_the_harness_narrows_fp8_as_ml_dtypes_does(ops, fmt):
     assert not wrong.any(), (x[:, 0][wrong][:5], got[wrong][:5], want[wrong][:5])
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_write_kv_quantizes_as_the_spec_says(ops, fmt, dtype):
     rng = np.random.default_rng(fmt)
@@ -320,10 +320,10 @@ class LockStep:
             np.testing.assert_array_equal(their_bounds.key_max, bounds.key_max)
         self._seen("write_kv")
 
-    def paged_attention(self, q, k_cache, v_cache, plan, scale, quant=None, bounds=None):
+    def paged_attention(self, q, k_cache, v_cache, plan, scale, quant=None, bounds=None, window=0):
         ours, theirs = plan
-        want = self.fast.paged_attention(q, k_cache, v_cache, ours, scale, quant, bounds)
-        got = self.cuda.paged_attention(q, k_cache, v_cache, theirs, scale, quant, bounds)
+        want = self.fast.paged_attention(q, k_cache, v_cache, ours, scale, quant, bounds, window)
+        got = self.cuda.paged_attention(q, k_cache, v_cache, theirs, scale, quant, bounds, window)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
         self._seen("paged_attention")
         return want

@@ -318,7 +318,7 @@ def test_resolve_rejects_non_llama_directories(tmp_path):
     with pytest.raises(ModelFormatError, match="config.json is missing"):
         fetch.resolve_model(d)
     (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ModelFormatError, match="not a Llama model.*gpt2"):
+    with pytest.raises(ModelFormatError, match="gpt2.*not a supported model family"):
         fetch.resolve_model(d)
     (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ModelFormatError, match="safetensors"):

@@ -169,7 +169,9 @@ def test_the_docs_figures_are_up_to_date(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "years |ago   |our   |father" in done.stdout
     assert "copy-on-write copies: [(1, 2)]" in done.stdout
-    for name in ("walkthrough.svg", "cow_fork.svg"):
+    # the window's release holds window / block_size + 2 blocks; keeping them, one per 4 tokens
+    assert "'released as they slide out (window 32)': 9, 'kept (full attention, or no release)': 45" in done.stdout
+    for name in ("walkthrough.svg", "cow_fork.svg", "sliding_window.svg"):
         assert (ROOT / "docs" / "img" / name).read_text().startswith("<svg")
 
 

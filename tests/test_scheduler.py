@@ -77,16 +77,18 @@ class SchedulerMachine(RuleBasedStateMachine):
                 num_blocks=st.integers(4, 40), num_cpu_blocks=st.integers(0, 40),
                 max_num_seqs=st.integers(1, 6), chunked=st.booleans(),
                 mode=st.sampled_from(["swap", "recompute", "auto", "partial"]), steps=st.sampled_from([1, 1, 3]),
-                budget_extra=st.integers(0, 64), caching=st.booleans(), speculate=st.booleans())
+                budget_extra=st.integers(0, 64), caching=st.booleans(), speculate=st.booleans(),
+                window=st.sampled_from([0, 0, 2, 5, 9]))
     def setup(self, block_size, max_model_len, num_blocks, num_cpu_blocks, max_num_seqs, chunked,
-              mode, steps, budget_extra, caching, speculate):
+              mode, steps, budget_extra, caching, speculate, window):
         self.max_model_len = max_model_len
         # speculative decoding (never with multi-step, as the engine refuses the pair)
         self.speculate = speculate and steps == 1
         floor = max_num_seqs if chunked else max(max_model_len, max_num_seqs)
         self.budget = floor + budget_extra
+        # window > 0: a sliding-window model, whose blocks slide out as its sequences run
         self.manager = BlockManager(num_blocks, block_size, num_cpu_blocks, watermark=0.0,
-                                    enable_prefix_caching=caching)
+                                    enable_prefix_caching=caching, sliding_window=window)
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len, max_num_seqs, self.budget, enable_chunked_prefill=chunked,
             preemption_mode=mode, num_scheduler_steps=steps), self.manager)

@@ -91,7 +91,7 @@ def test_t04_paged_attention_kernel():
     assert "query_start_loc [0, 6, 7]" in out
     assert "max |kernel - spec|" in out and "max |kernel - dense|" in out
     assert "D's query heads that changed: [2, 3]" in out
-    assert "_attend is " in out and "for j in range(pos // block_size + 1):" in out
+    assert "_attend is " in out and "for j in range(first // block_size, pos // block_size + 1):" in out
     assert "the fast tier on the same batch: max |fast - plain|" in out
     assert "paged_prefill on the mixed batch: max |cuda - spec|" in out
     assert "3 partitions of 512 (split-K) + reduce" in out
@@ -249,6 +249,15 @@ def test_t16_speculative_decoding():
     assert "drafts stood, then the model's own next token" in out
     assert "identical tokens: True" in out and "the target as its own draft" in out
     assert "Done: drafts cost a few query rows" in out
+
+
+def test_t23_sliding_window_paging():
+    out = run_tutorial("23_sliding_window_paging.py")
+    assert "layer windows (32, 32, 32)" in out and "table [- - - -" in out
+    assert "at most 9 blocks held (32 // 4 + 2), against 45 without the release" in out
+    assert "the same tokens with and without the release: True" in out and "first 24 tokens equal: True" in out
+    assert "request b, the same 60 tokens: 56 tokens found in the cache" in out
+    assert "may free nothing: sliding_window for paging = 0" in out and "80 tokens held 20 blocks" in out
 
 
 def test_t17_demand_paging():

@@ -43,17 +43,21 @@ def attention_work_items(query_start_loc: np.ndarray, seqs: np.ndarray) -> np.nd
 
 
 def split_work(tiles: np.ndarray, meta: AttentionMetadata, num_threads: int,
-               split_min_tokens: int = DEFAULT_TUNING.split_min_tokens) -> tuple[np.ndarray, np.ndarray]:
+               split_min_tokens: int = DEFAULT_TUNING.split_min_tokens,
+               first_read: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's items (W, 5) [sequence, first query row, first token, end token, partial slot]
-    and the split tiles to merge (M, 4) [sequence, first query row, first slot, slices]."""
+    and the split tiles to merge (M, 4) [sequence, first query row, first slot, slices].
+    ``first_read`` (S,): with sliding windows, the first position any layer reads: the slices
+    share out only the context from there."""
     items, merges, slot = [], [], 0
     whole = np.iinfo(np.int64).max // 2
     split = 0 < len(tiles) < num_threads
     for s, t0 in tiles.tolist():
         seq_len = int(meta.seq_lens[s])
-        if split and seq_len >= split_min_tokens * num_threads:
+        first = int(first_read[s]) if first_read is not None else 0
+        if split and seq_len - first >= split_min_tokens * num_threads:
             # token edges; the last is past every block, so the slices cover the whole context
-            edges = np.linspace(0, seq_len, num_threads + 1).astype(np.int64)
+            edges = np.linspace(first, seq_len, num_threads + 1).astype(np.int64)
             edges[-1] = whole
             merges.append((s, t0, slot, num_threads))
             for p in range(num_threads):
@@ -79,10 +83,12 @@ class AttentionPlan:
     tuning: FastTuning = DEFAULT_TUNING   # the thresholds every layer's call reads
 
 
-def plan_attention(meta: AttentionMetadata, gemm=None, tuning: FastTuning = DEFAULT_TUNING) -> AttentionPlan:
+def plan_attention(meta: AttentionMetadata, gemm=None, tuning: FastTuning = DEFAULT_TUNING,
+                   first_read: np.ndarray | None = None) -> AttentionPlan:
     """How one batch's attention splits: prompts and big chunks to the prompt path (the prompt
     kernel on a float32 cache, else BLAS, through ``gemm``, oneMKL, when given), decodes and
-    short chunks to the paged kernels' work items."""
+    short chunks to the paged kernels' work items. ``first_read`` (S,): sliding windows' first
+    position read (``kernels/ops.py`` ``first_read_positions``), where split-K slices begin."""
     qsl = meta.query_start_loc
     q_lens = np.diff(qsl)                                              # (S,)
     long_runs = q_lens >= tuning.prompt_min_queries
@@ -92,32 +98,37 @@ def plan_attention(meta: AttentionMetadata, gemm=None, tuning: FastTuning = DEFA
     # work estimate for the Numba part: query tokens x longest context x 8 heads-ish
     estimate = int(q_lens[small].sum()) * int(meta.seq_lens[small].max()) * 8 if len(small) else 0
     threads = get_num_threads()
-    items, merges = split_work(work, meta, threads, tuning.split_min_tokens)
+    items, merges = split_work(work, meta, threads, tuning.split_min_tokens, first_read)
     return AttentionPlan(meta, prompt_seqs, work, estimate, threads, items, merges, gemm, tuning)
 
 
 
 @partial(two_ways, cache=SIMD_CACHE)   # vector_max: registers
-def _causal_softmax(scores, row_pos, scale, sums):
+def _causal_softmax(scores, row_first, row_pos, scale, sums):
     """In place, row by row: exp(scale * (s - max)) over the keys the row may see (keys
-    0..row_pos[r]), 0 for the causal future; sums[r] gets the row's total. One pass for
-    what numpy needs five for (scale, mask, max, exp, sum), with the vectorised exp."""
+    row_first[r]..row_pos[r]: 0 unless a sliding window), 0 for the others; sums[r] gets the
+    row's total. One pass for what numpy needs five for (scale, mask, max, exp, sum), with the
+    vectorised exp."""
     for r in prange(scores.shape[0]):
         row = scores[r]
-        visible = row_pos[r] + 1
+        first, visible = row_first[r], row_pos[r] + 1
+        for j in range(first):
+            row[j] = row[first]          # out of the window: a score that cannot raise the max
         top = vector_max(row, visible) * scale
         total = np.float32(0.0)
-        for j in range(visible):
+        for j in range(first, visible):
             e = fast_exp(row[j] * scale - top)
             row[j] = e
             total += e
+        for j in range(first):
+            row[j] = 0.0
         for j in range(visible, row.shape[0]):
             row[j] = 0.0
         sums[r] = total
 
 
 def _blas_attention(q, k_cache, v_cache, block_table, seq_len, scale, out, quant=None, gemm=None,
-                    tuning: FastTuning = DEFAULT_TUNING) -> None:
+                    tuning: FastTuning = DEFAULT_TUNING, window: int = 0) -> None:
     """Attention of one sequence's many queries with two matrix products per KV head.
 
     q, out: (n, num_heads, head_dim), the last n positions of a context of seq_len.
@@ -127,33 +138,42 @@ def _blas_attention(q, k_cache, v_cache, block_table, seq_len, scale, out, quant
     (``kernels/packed_gemm.py``) for the two products, else numpy's BLAS. On MKL they run
     on the OpenMP pool the softmax uses; numpy's OpenBLAS pool then slows that pass (a
     2048-token prompt, one layer: softmax 10 ms after MKL's products, 11-23 after OpenBLAS's).
+    ``window`` > 0: a sliding window; only the blocks from the first one it reads are gathered
+    (those before may be freed: -1 in the table), and each tile of queries multiplies only the
+    keys its window spans.
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    blocks = block_table[: -(-seq_len // block_size)]
-    # (kv_heads, seq_len, head_dim): blocks in logical order, heads first
-    keys = k_cache[blocks].transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
-    values = v_cache[blocks].transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+    base = (max(seq_len - n - window + 1, 0) // block_size) * block_size if window else 0   # first key gathered
+    blocks = block_table[base // block_size: -(-seq_len // block_size)]
+    # (kv_heads, seq_len - base, head_dim): blocks in logical order, heads first
+    keys = k_cache[blocks].transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :seq_len - base]
+    values = v_cache[blocks].transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :seq_len - base]
     if quant is not None:   # widened as they are gathered: this copy is made for floats too
-        keys = dequantize(keys, quant.fmt, _gathered_scales(quant.k_scale, quant.fmt, blocks, seq_len))
-        values = dequantize(values, quant.fmt, _gathered_scales(quant.v_scale, quant.fmt, blocks, seq_len))
+        keys = dequantize(keys, quant.fmt, _gathered_scales(quant.k_scale, quant.fmt, blocks, seq_len - base))
+        values = dequantize(values, quant.fmt, _gathered_scales(quant.v_scale, quant.fmt, blocks, seq_len - base))
     tile = tuning.blas_query_tile
     for start in range(0, n, tile):
         stop = min(start + tile, n)
         first_pos = seq_len - n + start
         last_pos = seq_len - n + stop - 1
-        # (rows,) position of each (query, head-in-group) row; keys beyond last_pos are never seen
-        row_pos = np.repeat(np.arange(first_pos, last_pos + 1), group)
+        lo = max(first_pos - window + 1, base) - base if window else 0   # the tile's first key (gathered index)
+        hi = last_pos + 1 - base                                          # ... and its end
+        # (rows,) position of each (query, head-in-group) row, and its window's first, both
+        # counted from key lo; keys beyond a row's position are never seen
+        row_pos = np.repeat(np.arange(first_pos, last_pos + 1) - base - lo, group)
+        row_first = (np.maximum(row_pos - window + 1, 0) if window else np.zeros_like(row_pos))
         total = np.empty(len(row_pos), np.float32)                         # (rows,) softmax sums
         for h in range(num_kv_heads):
             qh = q[start:stop, h * group:(h + 1) * group].reshape(-1, head_dim)  # (rows, head_dim)
             if gemm is None:
-                scores = qh @ keys[h, : last_pos + 1].T                    # (rows, keys)
+                scores = qh @ keys[h, lo:hi].T                             # (rows, keys)
             else:
-                scores = gemm.sgemm(qh, keys[h, : last_pos + 1], trans_b=True)
-            _causal_softmax(scores.size, tuning.softmax_parallel_min_elements)(scores, row_pos, np.float32(scale), total)
-            seen = values[h, : last_pos + 1]                               # (keys, head_dim)
+                scores = gemm.sgemm(qh, keys[h, lo:hi], trans_b=True)
+            _causal_softmax(scores.size, tuning.softmax_parallel_min_elements)(
+                scores, row_first, row_pos, np.float32(scale), total)
+            seen = values[h, lo:hi]                                        # (keys, head_dim)
             weighted = scores @ seen if gemm is None else gemm.sgemm(scores, seen)   # (rows, head_dim)
             # normalise the (rows, head_dim) result, not the (rows, keys) weights
             out[start:stop, h * group:(h + 1) * group] = (
@@ -174,14 +194,16 @@ _NO_PARTS = (np.empty((0, 1, 1), np.float32), np.empty((0, 1), np.float32), np.e
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     plan: AttentionPlan | AttentionMetadata, scale: float,
-                    quant: KVQuant | None = None, bounds: BlockBounds | None = None) -> np.ndarray:
+                    quant: KVQuant | None = None, bounds: BlockBounds | None = None, window: int = 0) -> np.ndarray:
     """Causal attention of q (T, num_heads, head_dim) through block tables -> (T, num_heads, head_dim).
 
     Sequences with many queries (prompts, prompt chunks) use two BLAS products;
     decodes and short chunks use the Numba kernel, which streams each block once.
     ``plan`` comes from ``plan_attention(meta)`` (a bare ``meta`` is planned here).
     ``quant`` describes a compressed cache (int8 / fp8 bytes and their scales); ``bounds``
-    turns on block-sparse decode attention (prefills and chunks stay dense).
+    turns on block-sparse decode attention (prefills and chunks stay dense). ``window`` > 0: a
+    sliding window, read by the BLAS path and the loop kernel (the prompt and register kernels
+    have no window).
     """
     if isinstance(plan, AttentionMetadata):
         plan = plan_attention(plan)
@@ -190,8 +212,10 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         bounds = None        # the budget covers every context: dense attention, by the dense kernel
     out = np.empty(q.shape, dtype=np.float32)
     qsl = meta.query_start_loc
+    if bounds is not None and window:
+        raise ValueError("the fast kernels: block-sparse decode attention with a sliding window is not supported")
     prompt_kernel = (len(plan.prompt_seqs) and tuning.prompt_kernel and quant is None and plan.gemm is None
-                     and prompt_attention.fits(k_cache, v_cache, q.shape[2]))
+                     and not window and prompt_attention.fits(k_cache, v_cache, q.shape[2]))
     for s in plan.prompt_seqs:
         a, b = qsl[s], qsl[s + 1]
         if prompt_kernel:
@@ -199,7 +223,7 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                                               int(meta.seq_lens[s]), scale, out[a:b], get_num_threads())
         else:
             _blas_attention(q[a:b], k_cache, v_cache, meta.block_tables[s], int(meta.seq_lens[s]),
-                            scale, out[a:b], quant, plan.gemm, tuning)
+                            scale, out[a:b], quant, plan.gemm, tuning, window)
     if len(plan.work):
         slots = int(plan.merges[:, 3].sum()) if len(plan.merges) else 0
         if slots:                    # split-K slices: their partial sums, for _merge_partials
@@ -209,7 +233,7 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
             part_sum = np.empty((slots, rows), np.float32)                  # (slots, rows)
         else:                        # whole tiles only: the kernels never touch these
             part_acc, part_max, part_sum = _NO_PARTS
-        if quant is not None or not tuning.vector_attention or not vector_attention_call(
+        if quant is not None or window or not tuning.vector_attention or not vector_attention_call(
                 q, k_cache, v_cache, plan, scale, part_acc, part_max, part_sum, out, bounds,
                 tuning.attention_parallel_min_work):
             fmt, k_scale, v_scale = ((KV_FLOAT, _NO_SCALES, _NO_SCALES) if quant is None
@@ -219,7 +243,7 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
             key_min, key_max, keep = _bounds_args(bounds)
             kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, qsl,
                    np.float32(scale), plan.items, plan.num_threads, k_scale, v_scale, key_min, key_max, keep,
-                   part_acc, part_max, part_sum, out)
+                   int(window), part_acc, part_max, part_sum, out)
         if slots:
             _merge_partials(part_acc, part_max, part_sum, plan.merges, qsl, q.shape[1], out)
     return out

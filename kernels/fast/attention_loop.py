@@ -156,7 +156,7 @@ def _merge_partials(part_acc, part_max, part_sum, merges, query_start_loc, num_h
 
 
 def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           scale, work, num_threads, k_scale, v_scale, key_min, key_max, keep,
+                           scale, work, num_threads, k_scale, v_scale, key_min, key_max, keep, window,
                            part_acc, part_max, part_sum, out):
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -201,6 +201,8 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
             # each K or V value loaded once feeds HEADS multiply-adds, kept in scalars.
             heads = HEADS_TOGETHER
             last_block = min(end_block, num_ctx_blocks)
+            if window > 0:   # a sliding window: no query of the tile reads a block before this one
+                first_block = max(first_block, max(first_pos - window + 1, 0) // block_size)
             for j in range(first_block, last_block):
                 block = block_tables[s, j]
                 # The next block's K and V load while this one is scored, when the next block is
@@ -213,14 +215,16 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
                 for qi in range(t1 - t0):
                     # causal: this query sees positions <= its own
                     valid = min(block_size, first_pos + qi - j * block_size + 1)
-                    if valid <= 0:
+                    # a sliding window: nor those before position pos - window + 1
+                    start = max(first_pos + qi - window + 1 - j * block_size, 0) if window > 0 else 0
+                    if valid <= 0 or start >= valid:
                         continue
                     for kv_head in range(num_kv_heads):
                         for g0 in range(0, group, heads):
                             r0 = qi * num_heads + kv_head * group + g0   # rows r0 .. r0 + heads - 1
                             if sparse and not _any_chosen(chosen, r0, heads, j):
                                 continue                 # no head of the group keeps block j
-                            for o in range(valid):               # the block's scores, key by key
+                            for o in range(start, valid):        # the block's scores, key by key
                                 a0 = a1 = a2 = a3 = np.float32(0.0)
                                 for d in range(head_dim):
                                     key = widen(k_cache[block, kv_head, o, d], KV_FORMAT)
@@ -241,6 +245,9 @@ def _paged_attention_body(q, k_cache, v_cache, block_tables, seq_lens, query_sta
                                     scores[2, o] = a2
                                 if heads > 3:
                                     scores[3, o] = a3
+                            for o in range(start):               # before the window: p = 0
+                                for g in range(heads):
+                                    scores[g, o] = -np.inf
                             for g in range(heads):               # each head's online softmax
                                 r = r0 + g
                                 skip = sparse and not chosen[r, j]   # this head skips the block

@@ -23,7 +23,7 @@ import numpy as np
 from numba import get_num_threads
 
 from ..layout import AttentionMetadata, BlockBounds, KVQuant
-from ..ops import LayerWeights, ModelWeights, Rope, check_block_ids, check_slots
+from ..ops import LayerWeights, ModelWeights, Rope, check_block_ids, check_slots, first_read_positions, window_first_read
 from . import layer_stack, persistent_decode
 from .attention import AttentionPlan, paged_attention, plan_attention
 from .attention_registers import _vector_attention, vector_heads
@@ -155,7 +155,8 @@ class FastOps:
                                       down=wrapped[4 * i + 3]) for i, layer in enumerate(weights.layers)]
         head = wrapped[-1] if weights.lm_head is not None else None
         state = FastState(paths_made=tuple(copies))
-        if "numba" in copies:
+        # the persistent kernel runs the plain Llama layer only (no family options: docs/models.md)
+        if "numba" in copies and all(layer.plain_llama for layer in weights.layers):
             panels = [LayerWeights(layer.input_norm, layer.qkv.numba, layer.o.numba, layer.post_norm,
                                    layer.gate_up.numba, layer.down.numba) for layer in layers]
             state.persistent = layer_stack.stack(panels, panels, weights.final_norm,
@@ -171,13 +172,15 @@ class FastOps:
     # ---------------------------------------------------------------- one step
     def plan_step(self, weights: ModelWeights, meta: AttentionMetadata, kv_cache) -> FastPlan:
         num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[4]
-        check_block_ids(meta.block_tables, meta.seq_lens, block_size, num_blocks, self.name)
+        first_read = first_read_positions(weights, meta)     # (S,) with sliding windows, else None
+        check_block_ids(meta.block_tables, meta.seq_lens, block_size, num_blocks, self.name, first_read)
         check_slots(meta.slot_mapping, num_blocks * block_size, self.name)
         kind = step_kind(meta.num_tokens)
         path = self.linear_paths.for_kind(kind)
         if isinstance(weights.tier_state, FastState):
             weights.tier_state.steps_by_path[kind, path] += 1
-        return FastPlan(plan_attention(meta, self.gemm if path == "mkl" else None, self.tuning), path, num_blocks)
+        return FastPlan(plan_attention(meta, self.gemm if path == "mkl" else None, self.tuning, first_read), path,
+                        num_blocks)
 
     def decode_step(self, weights: ModelWeights, hidden, positions, kv_cache, plan: FastPlan, rope: Rope,
                     scale: float, eps: float, num_heads: int, with_head: bool, layer_quant=None, layer_bounds=None):
@@ -212,15 +215,16 @@ class FastOps:
         calibrate_kv_scales(k, v, quant)
 
     def paged_attention(self, q, k_cache, v_cache, plan, scale: float, quant: KVQuant | None = None,
-                        bounds: BlockBounds | None = None):
+                        bounds: BlockBounds | None = None, window: int = 0):
         if isinstance(plan, AttentionMetadata):      # a bare batch, outside a model's step
-            check_block_ids(plan.block_tables, plan.seq_lens, k_cache.shape[2], k_cache.shape[0], self.name)
+            check_block_ids(plan.block_tables, plan.seq_lens, k_cache.shape[2], k_cache.shape[0], self.name,
+                            window_first_read(plan, window))
             plan = plan_attention(plan, None, self.tuning)
         elif isinstance(plan, FastPlan) and k_cache.shape[0] < plan.num_blocks:
             raise IndexError(f"the fast kernels: the step was planned over {plan.num_blocks} blocks, "
                              f"this pool has {k_cache.shape[0]}")
         return paged_attention(q, k_cache, v_cache, plan.attention if isinstance(plan, FastPlan) else plan,
-                               scale, quant, bounds)
+                               scale, quant, bounds, window)
 
     def logsumexp(self, x):
         return logsumexp(x, self.tuning)

@@ -58,19 +58,65 @@ def cuda_available() -> bool:
         return False
 
 
+def cupy_has_bfloat16() -> bool:
+    """True when CuPy adds and multiplies ``ml_dtypes.bfloat16`` arrays (CuPy 14 on, with
+    ml_dtypes and NumPy 2.1.2 or later); CuPy 13 has no bfloat16. Asked of CuPy itself, on a
+    2 x 2 array: its bf16 support is new, and the version number alone does not promise it."""
+    try:
+        import cupy  # noqa: PLC0415
+
+        from ..kernels.cuda import BFLOAT16  # noqa: PLC0415
+
+        if BFLOAT16 is None:          # no ml_dtypes: no bfloat16 dtype to ask for
+            return False
+        x = cupy.ones((2, 2), dtype=BFLOAT16)
+        return float(((x + x) @ x).astype(cupy.float32)[0, 0]) == 4.0
+    except Exception:  # no ml_dtypes, an older CuPy, a bf16 header that does not compile: all mean "no"
+        return False
+
+
+def gpu_dtype(dtype: str, checkpoint_dtype: str = "float32", has_bfloat16=cupy_has_bfloat16) -> np.dtype:
+    """The weights' and activations' type on a GPU (the KV cache's too, unless compressed).
+
+    "float32" and "float16" are taken as they are; "bfloat16" needs CuPy's bfloat16
+    (``has_bfloat16()``). "auto": bfloat16 where the checkpoint is bfloat16 (config.json's
+    ``torch_dtype``), since such a model's activations may pass float16's largest value, 65504,
+    which bfloat16's float-sized exponent holds; float16 otherwise (float16 keeps 3 more bits
+    of each value). A bfloat16 checkpoint on a CuPy without bfloat16 runs in float32: its
+    range, never float16's overflow."""
+    if dtype not in ("auto", "float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype={dtype!r} is not supported on a GPU; use 'auto', 'float32', 'float16' or 'bfloat16'")
+    if dtype == "bfloat16" or (dtype == "auto" and checkpoint_dtype == "bfloat16"):
+        from ..kernels.cuda import BFLOAT16  # noqa: PLC0415
+
+        if has_bfloat16():
+            return BFLOAT16
+        if dtype == "bfloat16":
+            raise ValueError("dtype='bfloat16' on a GPU needs CuPy 14 or later with ml_dtypes installed (CuPy's "
+                             "bfloat16 arrays are ml_dtypes'); use dtype='float32', or 'float16' if the model's "
+                             "activations stay within float16's range")
+        logger.warning("this bfloat16 checkpoint runs in float32 on the GPU: CuPy has no bfloat16 here (CuPy 14 "
+                       "with ml_dtypes has), and float16 may overflow where bfloat16 does not")
+        return np.dtype(np.float32)
+    return np.dtype(np.float32 if dtype == "float32" else np.float16)
+
+
 def select_backend(device: str, dtype: str, cpu_gemm: str = "auto", linear_paths: LinearPaths | None = None,
-                   kernels: str = "fast", tuning: FastTuning = DEFAULT_TUNING) -> Backend:
+                   kernels: str = "fast", tuning: FastTuning = DEFAULT_TUNING,
+                   checkpoint_dtype: str = "float32") -> Backend:
     """CUDA when asked for (or, with "auto", when CuPy sees a GPU), else the CPU, whose tier of
     kernels is ``kernels``: "fast" or "simple" (which multiplies with numpy's BLAS and has no use
     for oneMKL, linear paths or ``tuning``, the fast tier's switches). The fast tier's linear
     layers' engines: ``linear_paths`` when given (a worker elsewhere gets the driver's); else
     every step oneMKL's with ``cpu_gemm="mkl"``, ours with "numba" or without oneMKL installed,
     and, with "auto" and oneMKL installed, None: measured once the model is known
-    (``engine/linear_calibration.py``)."""
+    (``engine/linear_calibration.py``). On a GPU, ``dtype`` and the checkpoint's
+    ``checkpoint_dtype`` (config.json's ``torch_dtype``) choose float32, float16 or bfloat16
+    (``gpu_dtype``); the CPU computes in float32."""
     if device in ("cuda", "auto") and cuda_available():
         from ..kernels.cuda import gpu_ops  # noqa: PLC0415 (needs CuPy; compiles the .cu files once)
 
-        return Backend("cuda", gpu_ops(), np.dtype(np.float32 if dtype == "float32" else np.float16))
+        return Backend("cuda", gpu_ops(), gpu_dtype(dtype, checkpoint_dtype))
     if device == "cuda":
         raise ValueError("device='cuda' was requested but no CUDA GPU is visible "
                          "(CuPy is not installed or sees no device); use device='cpu' or 'auto'")

@@ -179,7 +179,10 @@ def swap_pool_blocks(cache_config: CacheConfig, bytes_per_block: int) -> int:
 def _pinned(shape, dtype):
     from numba import cuda  # noqa: PLC0415 (GPU only)
 
-    array = cuda.mapped_array(shape, dtype=dtype)
+    # Numba has no bfloat16: a bf16 pool's swap space is mapped as its uint16 bits (a view of a
+    # mapped array would lose its device pointer); swap_blocks copies 16-bit words either way
+    bits = np.dtype(np.uint16) if np.dtype(dtype).name == "bfloat16" else np.dtype(dtype)
+    array = cuda.mapped_array(shape, dtype=bits)
     array[...] = 0
     return array
 

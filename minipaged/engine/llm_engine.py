@@ -109,6 +109,9 @@ class LLMEngine:
         self.model_dir = model_dir
         self.model_config = LlamaConfig.from_dir(model_dir)
         c = self.model_config   # the split is checked against config.json, before any weight is read
+        if any(c.layer_windows) and sparse_attention_budget is not None:
+            raise ConfigError("sparse_attention_budget and a sliding-window model do not combine: "
+                              "block-sparse decode reads whole blocks the window would cut")
         self.parallel_config.check_model(num_attention_heads=c.num_attention_heads,
                                          num_key_value_heads=c.num_key_value_heads,
                                          intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers)
@@ -129,7 +132,7 @@ class LLMEngine:
         self.max_model_len = self.scheduler_config.max_model_len
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.backend = select_backend(self.config.device, self.config.dtype, self.config.cpu_gemm,
-                                      kernels=self.config.kernels, tuning=fast_tuning)
+                                      kernels=self.config.kernels, tuning=fast_tuning, checkpoint_dtype=c.torch_dtype)
         check_executor(self.parallel_config, self.backend.device)
         # cpu_gemm="auto" with oneMKL: each kind of step's engine, timed once a machine and model shape
         self.backend = settle_linear_paths(self.backend, self.model_config, model_dir)
@@ -159,9 +162,12 @@ class LLMEngine:
             self.block_manager = ContiguousBlockManager(self.executor.num_blocks, block_size, self.max_model_len,
                                                         reserve=contiguous_reserve)
         else:
+            # blocks slide out of the window as the sequences run; not under a draft model, which
+            # writes its own K/V of the same blocks later, catching up from where it stopped
+            window = 0 if draft else c.sliding_window
             self.block_manager = BlockManager(self.executor.num_blocks, block_size, self.executor.num_cpu_blocks,
                                               watermark=cache_config.watermark,
-                                              enable_prefix_caching=enable_prefix_caching)
+                                              enable_prefix_caching=enable_prefix_caching, sliding_window=window)
         self.kv_allocator = kv_allocator
         self.track_fragmentation = track_fragmentation
         self.kv_history: list[KVBreakdown] = []   # one per step, if track_fragmentation

@@ -34,8 +34,8 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
                         "Llama directory (config.json, *.safetensors, tokenizer.json)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where to run: 'auto' picks a CUDA GPU if CuPy sees one, else the CPU")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
-                   help="weight and KV cache dtype ('auto': float32 on the CPU)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weight and KV cache dtype ('auto': float32 on the CPU; on a GPU bfloat16 for a bf16 checkpoint, else float16)")
     g.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV block (a power of two); the page size of the KV cache")
     g.add_argument("--num-blocks", type=int, default=None,

@@ -6,9 +6,11 @@ library, so every invariant is property-tested on a CPU (tests/test_block_manage
 It never touches KV data: it returns plans (copy, swap) that the engine executes.
 
     block_allocator.py       the frame allocator: a hot-first free list and reference counts (device pool, swap pool)
-    block_table.py           the page table of one sequence: logical block -> physical block, fill counts
+    block_table.py           the page table of one sequence: logical block -> physical block, fill counts,
+                             entries unmapped as a sliding window passes them
     block_manager.py         the virtual-memory manager: allocate, append slots (copy-on-write), fork,
-                             swap out / in, free, check_invariants
+                             swap out / in, release what a sliding window passed, free
+    invariants.py            the audit (fsck): every invariant of the block manager's books, for the tests
     prefix_cache.py          the page cache: full blocks named by a chain hash, LRU eviction
     contiguous_allocator.py  memory without paging: the "traditional" baseline that reserves one run per request
     fragmentation.py         where the slots go: used / reserved / internal / external accounting

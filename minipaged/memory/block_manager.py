@@ -12,6 +12,12 @@ the way a kernel programs a DMA engine.
 Demand paging: a swap-out may move only some of a sequence's blocks (``swap_out(group,
 max_blocks=k)``, the tail first); each table entry's present bit says which pool its
 block is in, and ``swap_in`` brings back exactly the entries that are out.
+
+Sliding windows: with ``sliding_window`` w (every layer of the model slides), the blocks a
+sequence will never read again (wholly before its next query's position - w + 1) are released
+as it runs (``release_slid_out``): back to the free list, or, named by the prefix cache, to its
+LRU where a later identical prompt can still hit them. A long generation then holds about
+w / block_size + 2 blocks, not one per block_size tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from __future__ import annotations
 import enum
 
 from .block_allocator import BlockAllocator
-from .block_table import BlockTable
+from .block_table import SLID_OUT, BlockTable
+from .invariants import check_block_manager
 from .prefix_cache import PrefixCache, chain_hash, prompt_block_hashes
 from ..sequence import Sequence, SequenceGroup
 
@@ -36,8 +43,9 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
+                 watermark: float = 0.01, enable_prefix_caching: bool = False, sliding_window: int = 0) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window   # 0: some layer reads every token (nothing slides out)
         self.cache = PrefixCache() if enable_prefix_caching else None
         self.allocator = BlockAllocator(num_blocks, name="device", cache=self.cache)
         self.cpu_allocator = BlockAllocator(num_cpu_blocks, name="cpu")  # the swap pool
@@ -90,8 +98,7 @@ class BlockManager:
         (shared ones once), or only those in one pool."""
         seen: dict[tuple[bool, int], None] = {}
         for seq in group.unfinished_seqs():
-            table = self.tables[seq.seq_id]
-            for block, here in zip(table.block_ids, table.present):
+            for _, block, here in self.tables[seq.seq_id].mapped():
                 if present is None or here == present:
                     seen[(here, block)] = None
         return list(seen)
@@ -204,6 +211,7 @@ class BlockManager:
             return
         table = self.tables[seq.seq_id]
         full = min(num_tokens // self.block_size, len(table))
+        assert SLID_OUT not in table.block_ids[len(table.names):full], "a block slid out before it was named"
         if len(table.names) >= full:
             return
         tokens = seq.token_ids
@@ -218,8 +226,7 @@ class BlockManager:
         """The child's table points at the parent's blocks; each gains a holder."""
         assert child.seq_id not in self.tables, f"sequence {child.seq_id} is already allocated"
         self.tables[child.seq_id] = self.tables[parent.seq_id].copy()
-        table = self.tables[child.seq_id]
-        for block, present in zip(table.block_ids, table.present):
+        for _, block, present in self.tables[child.seq_id].mapped():
             self.pool(present).incref(block)
 
     # ------------------------------------------------------------------ growth
@@ -258,6 +265,19 @@ class BlockManager:
         for block_id in table.truncate(num_tokens):
             self.allocator.free(block_id)
 
+    def release_slid_out(self, seq: Sequence) -> int:
+        """Sliding windows: free the blocks the sequence will never read again, those wholly before
+        its next query's position (its computed tokens) - sliding_window + 1. Each holder releases
+        its own entry; a named block goes to the prefix cache's LRU. Returns how many entries."""
+        table = self.tables.get(seq.seq_id)
+        if not self.sliding_window or table is None:
+            return 0
+        self.cache_full_blocks(seq, seq.num_computed_tokens)   # named first: a later prompt may hit them
+        released = table.unmap_before(max(seq.num_computed_tokens - self.sliding_window + 1, 0))
+        for block, present in released:
+            self.pool(present).free(block)
+        return len(released)
+
     def _grow(self, seq: Sequence, num_slots: int) -> None:
         table = self.tables[seq.seq_id]
         while table.num_tokens < num_slots:
@@ -275,8 +295,7 @@ class BlockManager:
         holders: dict[int, int] = {}
         tails: list[tuple[int, int]] = []        # (-logical index, block): deepest first
         for seq in group.unfinished_seqs():
-            table = self.tables[seq.seq_id]
-            for i, (block, present) in enumerate(zip(table.block_ids, table.present)):
+            for i, block, present in self.tables[seq.seq_id].mapped():
                 if present:
                     holders[block] = holders.get(block, 0) + 1
                     tails.append((-i, block))
@@ -328,8 +347,8 @@ class BlockManager:
         mapping: dict[int, int] = {}  # source block -> destination block
         for seq in group.unfinished_seqs():
             table = self.tables[seq.seq_id]
-            for i, block in enumerate(table.block_ids):
-                if table.present[i] != to_cpu or (only is not None and block not in only):
+            for i, block, here in table.mapped():
+                if here != to_cpu or (only is not None and block not in only):
                     continue              # already in the destination pool, or not chosen
                 if block in mapping:
                     dst.incref(mapping[block])
@@ -357,39 +376,11 @@ class BlockManager:
         table = self.tables.pop(seq.seq_id, None)
         if table is None:
             return
-        for block_id, present in zip(reversed(table.block_ids), reversed(table.present)):
+        for _, block_id, present in reversed(table.mapped()):
             self.pool(present).free(block_id)
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self, seqs: list[Sequence] | None = None) -> None:
-        """In each pool: ref count == number of table entries holding the block (an entry's
-        present bit says which pool); free blocks are held by none. Tables may mix pools."""
-        for table in self.tables.values():
-            table.check_invariants()
-        for pool, present in ((self.allocator, True), (self.cpu_allocator, False)):
-            pool.check_invariants()
-            holders = [0] * pool.num_blocks
-            for table in self.tables.values():
-                for block_id, here in zip(table.block_ids, table.present):
-                    if here == present:
-                        holders[block_id] += 1
-            for block_id, count in enumerate(holders):
-                assert count == pool.ref_counts[block_id], (
-                    f"{pool.name} block {block_id}: {count} table entries hold it but its ref count is "
-                    f"{pool.ref_counts[block_id]}")
-        if self.cache is not None:
-            assert set(self.cache.block_of.values()) == set(self.cache.name_of)
-            assert all(self.cache.block_of[n] == b for b, n in self.cache.name_of.items())
-        for seq in seqs or []:
-            table = self.tables.get(seq.seq_id)
-            if table is None:
-                continue
-            assert table.num_tokens >= seq.num_computed_tokens, (
-                f"sequence {seq.seq_id} has {seq.num_computed_tokens} cached tokens but "
-                f"only {table.num_tokens} slots")
-            if self.cache is not None and table.resident:
-                size, tokens = self.block_size, seq.token_ids
-                for i, block in enumerate(table.block_ids):   # a named block holds exactly its tokens
-                    if block in self.cache.name_of and (i + 1) * size <= seq.num_computed_tokens:
-                        assert self.cache.tokens_of[block] == tuple(tokens[i * size:(i + 1) * size]), (
-                            f"block {block} is cached under other tokens than sequence {seq.seq_id} holds")
+        """Audit the books (``memory/invariants.py``): ref counts against table entries in each
+        pool, the prefix cache's names, each live sequence's slots, window and cached tokens."""
+        check_block_manager(self, seqs)

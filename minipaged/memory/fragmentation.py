@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .block_table import SLID_OUT
+
 
 @dataclass(frozen=True)
 class KVBreakdown:
@@ -55,6 +57,8 @@ def measure(block_manager, scheduler, max_model_len: int) -> KVBreakdown:
                           min(seq.num_prompt_tokens + params.max_tokens, max_model_len) - 1)
             blocks = table.block_ids + block_manager.reserved_blocks(seq)
             for i, block in enumerate(blocks):
+                if block == SLID_OUT:         # slid out of a sliding window: no frame
+                    continue
                 filled[block] = max(filled.get(block, 0), min(max(seq.num_computed_tokens - i * size, 0), size))
                 future[block] = max(future.get(block, 0), min(max(horizon - i * size, 0), size))
     allocated = block_manager.num_used_blocks * size

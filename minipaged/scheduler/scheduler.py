@@ -144,6 +144,11 @@ class Scheduler:
             for seq in group.seqs:
                 seq.draft_token_ids = []
 
+        # 0. Sliding windows: blocks no layer reads again go back to the pool first.
+        for group in self.running:
+            for seq in group.unfinished_seqs():
+                self.block_manager.release_slid_out(seq)
+
         # 1. Running sequences that decode get one slot each, earliest request first.
         queue = deque(g for g in self.running if self._decoding(g))
         prefilling = [g for g in self.running if self._prefilling(g)]
@@ -260,6 +265,7 @@ class Scheduler:
         """One slot (copy-on-write if shared) and one token for each decoding sequence."""
         seqs = self._decoding(group)
         for seq in seqs:
+            self.block_manager.release_slid_out(seq)      # a request just resumed or admitted
             out.blocks_to_copy.extend(self.block_manager.append_slots(seq))
             out.scheduled.append(ScheduledSeq(group, seq, 1, do_sample=True, is_prefill=False))
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + 1)
@@ -294,6 +300,7 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, num_tokens - used)
             if n <= 0:
                 break
+            self.block_manager.release_slid_out(seq)      # a long prompt's earlier chunks
             out.scheduled.append(ScheduledSeq(
                 group, seq, n, do_sample=seq.num_computed_tokens + n == seq.num_tokens,
                 is_prefill=True, followers=followers))

@@ -17,6 +17,8 @@
                     ranks, in this process and as Ray actors: time per step, and where it goes
     gpu_check.py    ``python -m minipaged.gpu_check``: every CUDA kernel checked and timed on a GPU,
                     then the engine end to end (``--smoke``: the same on the CPU harness)
+    gpu_kernel_checks.py  gpu_check's kernel part: every CUDA kernel variant against its spec, and
+                    the forward pass through the kernels against the dense reference
     viz.py          pictures of the KV pool and the page tables from real engine state (text, SVG)
 
 They read the engine's state; like a profiler or ``top``, they sit above it.

@@ -1,15 +1,20 @@
 """``python -m minipaged.gpu_check``: check and time every CUDA kernel, then the whole engine.
 
 Run on a GPU machine by ``scripts/gpu_check.sh`` (one call, under ten minutes, no network).
-``--preflight`` first, in seconds: the three CUDA C modules compiled by the engine's own
+``--preflight`` first, in seconds: the four CUDA C modules compiled by the engine's own
 loader, and a one-line Numba CUDA kernel launched on a mapped (pinned) host array, as
 swapping uses. Then:
   1. the device and its measured device-to-device copy bandwidth;
-  2. every kernel against its NumPy spec on large random inputs;
+  2. every kernel variant against its NumPy spec on large random inputs (gpu_kernel_checks.py):
+     float16 and bfloat16 activations, float, int8 and fp8 blocks, split-K, block-sparse decode,
+     sliding windows (blocks before the window freed); bfloat16 rows are skipped, and say so,
+     where CuPy has no bfloat16 (before CuPy 14);
   3. each kernel's time (CUDA events, median of many runs) and the bandwidth it reaches,
      as a share of the copy bandwidth (decode attention's goal: at least 60% at batch 64,
      context 2048, fp16 KV), over float16, int8 and fp8 blocks, and block-sparse decode
      against dense on an 8K context;
+  3b. the forward pass through the kernels against the dense reference: a Llama in bfloat16,
+     and a model with q/k/v/o biases, q/k norms and a sliding window, in float16 and bfloat16;
   4. the throughput benchmark end to end, minipaged against Hugging Face transformers (fp16),
      on a random model with SmolLM2-135M's shapes (the real weights cannot be fetched there),
      and greedy tokens of the GPU path against the CPU float32 path;
@@ -32,8 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..kernels import reference as spec
-from ..kernels.layout import AttentionMetadata
+from .gpu_kernel_checks import elementwise_report, kernel_report, model_report
 
 SMOLLM2_SHAPES = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                       num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
@@ -48,13 +52,18 @@ class Device:
         if smoke:
             from ..kernels.cuda import cpu_harness_ops
 
+            from ..kernels.cuda import BFLOAT16
+
             self.xp, self.ops = np, cpu_harness_ops()
+            self.bfloat16 = BFLOAT16 is not None       # the harness needs only ml_dtypes
         else:
             import cupy
 
+            from ..engine.backend import cupy_has_bfloat16
             from ..kernels.cuda import gpu_ops
 
             self.xp, self.ops = cupy, gpu_ops()
+            self.bfloat16 = cupy_has_bfloat16()
 
     def asnumpy(self, a):
         return a if self.xp is np else self.xp.asnumpy(a)
@@ -83,7 +92,8 @@ class Device:
         props = self.xp.cuda.runtime.getDeviceProperties(0)
         return {"device": props["name"].decode(), "memory_gib": props["totalGlobalMem"] / 2**30,
                 "compute_capability": f"{props['major']}.{props['minor']}",
-                "multiprocessors": props["multiProcessorCount"]}
+                "multiprocessors": props["multiProcessorCount"], "cupy": self.xp.__version__,
+                "cupy_bfloat16": self.bfloat16}
 
 
 def copy_bandwidth(dev: Device, mib: int) -> float:
@@ -92,167 +102,6 @@ def copy_bandwidth(dev: Device, mib: int) -> float:
     b = dev.xp.empty_like(a)
     seconds = dev.time(lambda: dev.xp.copyto(b, a), repeats=5 if dev.smoke else 20)
     return 2 * a.nbytes / seconds
-
-
-def paged_batch(rng, dev: Device, *, num_seqs, q_len, ctx, heads, kv_heads, head_dim, block_size, dtype):
-    blocks = -(-ctx // block_size)
-    num_blocks = num_seqs * blocks + 1
-    k = rng.standard_normal((num_blocks, kv_heads, block_size, head_dim), dtype=np.float32).astype(dtype)
-    v = rng.standard_normal((num_blocks, kv_heads, block_size, head_dim), dtype=np.float32).astype(dtype)
-    tables = rng.permutation(num_blocks)[:num_seqs * blocks].reshape(num_seqs, blocks).astype(np.int32)
-    qsl = (np.arange(num_seqs + 1) * q_len).astype(np.int32)
-    lens = np.full(num_seqs, ctx, np.int32)
-    q = rng.standard_normal((num_seqs * q_len, heads, head_dim), dtype=np.float32).astype(dtype)
-    host = (q, k, v, AttentionMetadata(np.zeros(len(q), np.int64), qsl, lens, tables, q_len, ctx))
-    xp = dev.xp
-    meta = AttentionMetadata(xp.asarray(host[3].slot_mapping), xp.asarray(qsl), xp.asarray(lens),
-                             xp.asarray(tables), q_len, ctx)
-    return host, (xp.asarray(q), xp.asarray(k), xp.asarray(v), meta)
-
-
-def attention_case(dev: Device, rng, name: str, shape: dict, check: bool) -> dict:
-    """One attention kernel checked against its spec and timed. ``shape`` may add ``fmt`` (a
-    kv_quant format: the cache is compressed first, by the spec) and ``budget`` (block-sparse
-    decode over the cache's key bounds, this many tokens a head)."""
-    from ..kernels import kv_quant
-    from ..kernels.layout import BlockBounds, KVQuant
-
-    shape = dict(shape)
-    fmt, budget = shape.pop("fmt", kv_quant.KV_FLOAT), shape.pop("budget", None)
-    (q, k, v, meta), (dq, dk, dv, dmeta) = paged_batch(rng, dev, **shape)
-    xp = dev.xp
-    quant = bounds = None
-    kd, vd = k.astype(np.float32), v.astype(np.float32)     # what the spec reads
-    itemsize, scale_bytes = np.dtype(shape["dtype"]).itemsize, 0
-    if fmt != kv_quant.KV_FLOAT:
-        storage = kv_quant.STORAGE_DTYPE[fmt]
-        per_token = fmt == kv_quant.KV_INT8
-        scales = [np.zeros(k.shape[:3], np.float32) if per_token else np.full((1, 1, 1), 0.03, np.float32)
-                  for _ in range(2)]
-        host = KVQuant(fmt, *scales)
-        kc, vc = np.zeros(k.shape, storage), np.zeros(v.shape, storage)
-        rows = lambda c: c.transpose(0, 2, 1, 3).reshape(-1, c.shape[1], c.shape[3]).astype(np.float32)  # noqa: E731
-        spec.write_kv(kc, vc, rows(k), rows(v), np.arange(k.shape[0] * k.shape[2], dtype=np.int64), host)
-        kd, vd = spec.dequantize_kv(kc, fmt, host.k_scale), spec.dequantize_kv(vc, fmt, host.v_scale)
-        dk, dv = xp.asarray(kc), xp.asarray(vc)
-        quant = KVQuant(fmt, xp.asarray(host.k_scale), xp.asarray(host.v_scale))
-        itemsize, scale_bytes = 1, 4 if per_token else 0
-    if budget is not None:
-        key_min, key_max = spec.key_bounds(kd)
-        bounds = BlockBounds(xp.asarray(key_min), xp.asarray(key_max), budget // shape["block_size"])
-    plan = dev.ops.plan_attention(dmeta)
-    run = lambda: dev.ops.paged_attention(dq, dk, dv, plan, 0.125, quant, bounds)   # noqa: E731
-    out = run()
-    row = {"kernel": name, **{k_: v_ for k_, v_ in shape.items() if k_ != "dtype"},
-           "dtype": np.dtype(shape["dtype"]).name, "kv_cache_dtype": {v_: k_ for k_, v_ in
-                                                                    kv_quant.KV_CACHE_DTYPES.items()}[fmt],
-           "partitions": plan.num_partitions}
-    if budget is not None:
-        row["sparse_budget"] = budget
-    if check:
-        if budget is None:
-            want = spec.paged_attention(q.astype(np.float32), kd, vd, meta.block_tables, meta.seq_lens,
-                                        meta.query_start_loc, 0.125)
-        else:
-            want = spec.sparse_decode_attention(q.astype(np.float32), kd, vd, key_min, key_max, meta.block_tables,
-                                                meta.seq_lens, 0.125, budget)
-        row["max_abs_error"] = float(np.abs(dev.asnumpy(out).astype(np.float32) - want).max())
-    seconds = dev.time(run, repeats=3 if dev.smoke else 50)
-    tokens_read = min(shape["ctx"], budget) if budget is not None else shape["ctx"]   # per sequence and head
-    kv_bytes = 2 * shape["num_seqs"] * tokens_read * shape["kv_heads"] * (shape["head_dim"] * itemsize + scale_bytes)
-    row.update(seconds=seconds, kv_gb_per_s=kv_bytes / seconds / 1e9)
-    return row
-
-
-def kernel_report(dev: Device, smoke: bool) -> list[dict]:
-    from ..kernels.kv_quant import KV_FP8_E4M3, KV_FP8_E5M2, KV_INT8
-
-    rng = np.random.default_rng(0)
-    big = not smoke
-    f16 = np.float16
-    decode = dict(num_seqs=64 if big else 2, q_len=1, ctx=2048 if big else 40, heads=9 if big else 3,
-                  kv_heads=3 if big else 1, head_dim=64, block_size=16, dtype=f16)
-    long = dict(num_seqs=4 if big else 1, q_len=1, ctx=8192 if big else 300, heads=9 if big else 2,
-                kv_heads=3 if big else 1, head_dim=64, block_size=16, dtype=f16)
-    cases = [
-        ("decode (batch 64, ctx 2048)", decode, True),
-        ("decode split-K (batch 4, ctx 16384)", dict(num_seqs=4 if big else 1, q_len=1, ctx=16384 if big else 1200, heads=9 if big else 2,
-                                                     kv_heads=3 if big else 1, head_dim=64, block_size=16, dtype=f16), True),
-        ("decode fp32 (batch 64, ctx 2048)", {**decode, "dtype": np.float32}, True),
-        ("prefill (8 x 512 tokens)", dict(num_seqs=8 if big else 1, q_len=512 if big else 20, ctx=512 if big else 20, heads=9 if big else 3,
-                                          kv_heads=3 if big else 1, head_dim=64, block_size=16, dtype=f16), True),
-        # the compressed KV cache: the same decode over 1-byte blocks (bytes read counted as stored)
-        ("decode int8 KV (batch 64, ctx 2048)", {**decode, "fmt": KV_INT8}, True),
-        ("decode fp8 e4m3 KV (batch 64, ctx 2048)", {**decode, "fmt": KV_FP8_E4M3}, True),
-        ("decode fp8 e5m2 KV (batch 64, ctx 2048)", {**decode, "fmt": KV_FP8_E5M2}, True),
-        ("prefill int8 KV (8 x 512 tokens)", dict(num_seqs=8 if big else 1, q_len=512 if big else 20, ctx=512 if big else 20,
-                                                  heads=9 if big else 3, kv_heads=3 if big else 1, head_dim=64,
-                                                  block_size=16, dtype=f16, fmt=KV_INT8), True),
-        # block-sparse decode against dense on the same long context (bytes read: the budget's)
-        ("decode dense (batch 4, ctx 8192)", long, True),
-        ("decode sparse, budget 1024 (batch 4, ctx 8192)", {**long, "budget": 1024 if big else 64}, True),
-    ]
-    return [attention_case(dev, rng, name, shape, check) for name, shape, check in cases]
-
-
-def elementwise_report(dev: Device, smoke: bool) -> list[dict]:
-    rng = np.random.default_rng(1)
-    xp, ops = dev.xp, dev.ops
-    tokens = 16 if smoke else 8192
-    rows = []
-    x = rng.standard_normal((tokens, 576), dtype=np.float32).astype(np.float16)
-    w = rng.standard_normal(576, dtype=np.float32).astype(np.float16)
-    got = dev.asnumpy(ops.rms_norm(xp.asarray(x), xp.asarray(w), 1e-5)).astype(np.float32)
-    err = np.abs(got - spec.rms_norm(x.astype(np.float32), w.astype(np.float32), 1e-5)).max()
-    dx, dw = xp.asarray(x), xp.asarray(w)
-    seconds = dev.time(lambda: ops.rms_norm(dx, dw, 1e-5), repeats=3 if smoke else 50)
-    rows.append({"kernel": "rms_norm", "tokens": tokens, "max_abs_error": float(err), "seconds": seconds,
-                 "gb_per_s": 2 * x.nbytes / seconds / 1e9})
-    gu = rng.standard_normal((tokens, 3072), dtype=np.float32).astype(np.float16)
-    got = dev.asnumpy(ops.silu_and_mul(xp.asarray(gu))).astype(np.float32)
-    err = np.abs(got - spec.silu_and_mul(gu.astype(np.float32))).max()
-    dgu = xp.asarray(gu)
-    seconds = dev.time(lambda: ops.silu_and_mul(dgu), repeats=3 if smoke else 50)
-    rows.append({"kernel": "silu_and_mul", "tokens": tokens, "max_abs_error": float(err), "seconds": seconds,
-                 "gb_per_s": 1.5 * gu.nbytes / seconds / 1e9})
-    k = rng.standard_normal((tokens, 3, 64), dtype=np.float32).astype(np.float16)
-    cache = np.zeros((tokens // 16 + 1, 3, 16, 64), np.float16)
-    slots = rng.permutation(cache.shape[0] * 16)[:tokens].astype(np.int64)
-    dk, dc, dv, ds = xp.asarray(k), xp.asarray(cache), xp.asarray(cache), xp.asarray(slots)
-    ops.write_kv(dc, dv, dk, dk, ds)
-    want = cache.copy()
-    spec.write_kv(want, want.copy(), k, k, slots)
-    err = float(np.abs(dev.asnumpy(dc).astype(np.float32) - want.astype(np.float32)).max())
-    seconds = dev.time(lambda: ops.write_kv(dc, dv, dk, dk, ds), repeats=3 if smoke else 50)
-    rows.append({"kernel": "write_kv", "tokens": tokens, "max_abs_error": err, "seconds": seconds,
-                 "gb_per_s": 4 * k.nbytes / seconds / 1e9})
-    layers, blocks = (2, 8) if smoke else (30, 512)
-    pool = xp.asarray(rng.standard_normal((layers, 2, blocks, 3, 16, 64), dtype=np.float32).astype(np.float16))
-    pairs = np.stack([np.arange(blocks // 2), np.arange(blocks // 2, blocks)], axis=1)
-    before = dev.asnumpy(pool)
-    ops.copy_blocks(pool, pairs)
-    after = dev.asnumpy(pool)
-    exact = bool((after[:, :, pairs[:, 1]] == before[:, :, pairs[:, 0]]).all())
-    seconds = dev.time(lambda: ops.copy_blocks(pool, pairs), repeats=3 if smoke else 20)
-    moved = 2 * len(pairs) * before[:, :, 0].nbytes
-    rows.append({"kernel": "copy_blocks (Numba CUDA)", "blocks": int(len(pairs)), "bit_exact": exact,
-                 "seconds": seconds, "gb_per_s": moved / seconds / 1e9})
-    # swapping: device -> pinned host pool -> other device blocks, bit for bit
-    from ..engine.cache_engine import _pinned
-
-    host = np.zeros((layers, 2, blocks, 3, 16, 64), np.float16) if smoke else _pinned((layers, 2, blocks, 3, 16, 64), np.float16)
-    out_pairs = np.stack([np.arange(blocks // 2), np.arange(blocks // 2)], axis=1)
-    snapshot = dev.asnumpy(pool)
-    seconds_out = dev.time(lambda: ops.swap_blocks(pool, host, out_pairs), repeats=3 if smoke else 10)
-    back_pairs = np.stack([np.arange(blocks // 2), np.arange(blocks // 2, blocks)], axis=1)
-    ops.swap_blocks(host, pool, back_pairs)
-    if not smoke:
-        dev.xp.cuda.Device().synchronize()
-    exact = bool((dev.asnumpy(pool)[:, :, back_pairs[:, 1]] == snapshot[:, :, out_pairs[:, 0]]).all())
-    rows.append({"kernel": "swap_blocks to pinned host (Numba CUDA)", "blocks": int(len(out_pairs)),
-                 "bit_exact": exact, "seconds": seconds_out,
-                 "gb_per_s": len(out_pairs) * snapshot[:, :, 0].nbytes / seconds_out / 1e9})
-    return rows
 
 
 def write_random_model(path: Path, shapes: dict) -> Path:
@@ -446,10 +295,12 @@ def main(argv=None) -> int:
     def attention():
         report["attention"] = kernel_report(dev, args.smoke)
         for row in report["attention"]:
-            row["share_of_copy_bandwidth"] = row["kv_gb_per_s"] / report["copy_bandwidth_gb_per_s"]
+            if "kv_gb_per_s" in row:     # not a skipped row
+                row["share_of_copy_bandwidth"] = row["kv_gb_per_s"] / report["copy_bandwidth_gb_per_s"]
 
     section("attention", attention)
     section("other_kernels", lambda: report.update(other_kernels=elementwise_report(dev, args.smoke)))
+    section("models", lambda: report.update(models=model_report(dev, args.smoke)))
     section("end_to_end", lambda: end_to_end(dev, args.smoke, report))
     section("parallel", lambda: parallel_report(dev, args.smoke, report))
     print(json.dumps(report, indent=2, default=str))

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from html import escape
 
+from ..memory.block_table import SLID_OUT
+
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#bab0ab"]
 
@@ -53,6 +55,10 @@ def snapshot(block_manager, sequences: dict[str, object], token_text=str) -> Poo
         tokens = seq.token_ids
         view = TableView(name, [])
         for i, block in enumerate(table.block_ids):
+            if block == SLID_OUT:        # the window slid past it: the entry maps no frame
+                view.entries.append((i, block, 0))
+                view.slots.append([None] * size)
+                continue
             filled = min(max(seq.num_computed_tokens - i * size, 0), size)
             text = [token_text(tokens[i * size + j]) if j < filled else None for j in range(size)]
             view.entries.append((i, block, filled))
@@ -103,7 +109,8 @@ def render_text(view: PoolView, max_blocks: int = 64, cell: int = 6) -> str:
     """Page tables first, then the physical pool (only the first ``max_blocks`` frames)."""
     lines = [f"page tables (logical block -> physical block, slots filled of {view.block_size}):"]
     for table in view.tables:
-        parts = [f"{logical}->{physical}({filled})" for logical, physical, filled in table.entries]
+        parts = [f"{logical}->{physical}({filled})" if physical != SLID_OUT else f"{logical}->-"
+                 for logical, physical, filled in table.entries]
         lines.append(f"  {table.name:>8}: " + " ".join(parts))
     used = sum(b.state == "used" for b in view.blocks)
     reserved = sum(b.state == "reserved" for b in view.blocks)
@@ -205,6 +212,8 @@ def kv_map(engine) -> dict:
         on_cpu = not table.resident           # wholly or partly paged out
         name = names.get(seq_id, f"seq {seq_id}")
         for block, fill, present in zip(table.block_ids, table.fills, table.present):
+            if block == SLID_OUT:            # slid out of the window: no frame
+                continue
             entry = (device if present else cpu)[block]
             entry["state"] = "used" if present else "swapped"
             entry["fill"] = max(entry["fill"], fill)

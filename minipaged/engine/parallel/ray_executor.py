@@ -99,7 +99,11 @@ class NcclGroup:
 
         x = cupy.ascontiguousarray(x)
         out = cupy.empty_like(x)
-        kind = self.nccl.NCCL_FLOAT16 if x.dtype == np.float16 else self.nccl.NCCL_FLOAT32
+        name = np.dtype(x.dtype).name
+        if name == "bfloat16" and not hasattr(self.nccl, "NCCL_BFLOAT16"):
+            raise RuntimeError("this CuPy's NCCL has no bfloat16: run tensor parallelism with dtype='float16'")
+        kind = (self.nccl.NCCL_BFLOAT16 if name == "bfloat16" else
+                self.nccl.NCCL_FLOAT16 if name == "float16" else self.nccl.NCCL_FLOAT32)
         self.comm.allReduce(x.data.ptr, out.data.ptr, x.size, kind, self.nccl.NCCL_SUM,
                             cupy.cuda.get_current_stream().ptr)
         return out
@@ -248,7 +252,7 @@ class RayExecutor:
                 strategy = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=p * tp + t)
                 stage.append(actor.options(**options, scheduling_strategy=strategy, max_concurrency=1).remote(
                     ShardSpec(t, tp, p, pp), str(model_dir), model_config, cache_config, backend.device,
-                    "float32" if backend.dtype == np.float32 else "float16", max_model_len,
+                    np.dtype(backend.dtype).name, max_model_len,
                     max_num_batched_tokens, backend.cpu_gemm, backend.linear_paths,
                     "fast" if backend.kernels == "cuda" else backend.kernels,
                     getattr(backend.ops, "tuning", None)))
