@@ -56,7 +56,7 @@ def long_model_dir_for_soak(tmp_path_factory) -> Path:
 # engine made once by a module fixture) stays on the default tier, the fast one: a [simple] test
 # then checks the plain tier against it. tests/test_tiers.py compares the tiers head to head.
 BOTH_TIERS = {"test_engine", "test_preemption", "test_sharing", "test_spec_decode", "test_kv_cache_dtype",
-              "test_demand_paging", "test_penalties", "test_distributed", "test_model_families"}
+              "test_demand_paging", "test_penalties", "test_model_families"}
 
 
 def pytest_generate_tests(metafunc):

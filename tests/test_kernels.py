@@ -207,20 +207,22 @@ def test_fast_exp_matches_spec_over_its_whole_range():
 
 @pytest.mark.parametrize("width", [1, 15, 16, 17, 100])
 def test_causal_softmax_matches_numpy(width):
-    """The fused BLAS-path softmax: row maxima over the visible keys (any tail length), exp,
-    zeros beyond, row sums; stable for scores far from 0."""
+    """The fused BLAS-path softmax: row maxima over the visible keys (any tail length; from
+    row_first on, a sliding window, for half the rows), exp, zeros elsewhere, row sums; stable
+    for scores far from 0."""
     rng = np.random.default_rng(width)
     rows = 3 * width
     scores = (rng.standard_normal((rows, width)) * 300).astype(np.float32)
     row_pos = rng.integers(0, width, size=rows)
+    row_first = np.where(np.arange(rows) % 2, rng.integers(0, row_pos + 1), 0)      # (rows,) <= row_pos
     scale = np.float32(0.125)
     want = np.zeros((rows, width))
     for r in range(rows):
-        seen = scores[r, : row_pos[r] + 1].astype(np.float64) * scale
-        want[r, : row_pos[r] + 1] = np.exp(seen - seen.max())
+        seen = scores[r, row_first[r]: row_pos[r] + 1].astype(np.float64) * scale
+        want[r, row_first[r]: row_pos[r] + 1] = np.exp(seen - seen.max())
     for parallel in (False, True):
         got, sums = scores.copy(), np.empty(rows, np.float32)
-        getattr(attention._causal_softmax, "parallel" if parallel else "serial")(got, row_pos, scale, sums)
+        getattr(attention._causal_softmax, "parallel" if parallel else "serial")(got, row_first, row_pos, scale, sums)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(sums, want.sum(axis=1), rtol=1e-5)
 

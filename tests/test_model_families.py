@@ -161,7 +161,7 @@ def held_blocks(engine, prompt, max_tokens):
 
 def test_a_long_generation_holds_about_a_window_of_blocks(kernels_tier):
     exp = expected("mistral")
-    engine = LLMEngine(str(FAMILIES / "mistral"), device="cpu", block_size=4)
+    engine = LLMEngine(str(FAMILIES / "mistral"), device="cpu", block_size=4, num_blocks=128, swap_space=0)
     held, tokens = held_blocks(engine, exp["prompts"][1], 80)
     assert_greedy_matches(tokens, exp["greedy"][1], exp["margins"][1])
     # a window of 16 tokens spans at most 5 blocks of 4, plus the block the next token goes to
@@ -171,7 +171,7 @@ def test_a_long_generation_holds_about_a_window_of_blocks(kernels_tier):
 
 def test_a_model_with_a_full_layer_frees_nothing(kernels_tier):
     exp = expected("qwen2")               # layer 0 reads every token: no block may go
-    engine = LLMEngine(str(FAMILIES / "qwen2"), device="cpu", block_size=4)
+    engine = LLMEngine(str(FAMILIES / "qwen2"), device="cpu", block_size=4, num_blocks=128, swap_space=0)
     held, tokens = held_blocks(engine, exp["prompts"][1], 40)
     assert held[-2] == -(-(40 + 39) // 4)
     assert_greedy_matches(tokens, exp["greedy"][1][:40], exp["margins"][1])
@@ -198,6 +198,7 @@ def prompts(n, seed, lo=5, hi=60):
 
 
 def run(batch, params, **kwargs):
+    kwargs.setdefault("num_blocks", 512)      # a small pool: check_invariants walks all of it
     llm = LLM(str(FAMILIES / "mistral"), device="cpu", swap_space=0.002, **kwargs)
     out = [[c.token_ids for c in o.outputs] for o in llm.generate(batch, params, use_tqdm=False)]
     llm.llm_engine.block_manager.check_invariants()
@@ -225,7 +226,7 @@ def test_preemption_with_a_window_changes_no_token(roomy, mode, kernels_tier):
                      num_blocks=20, preemption_mode=mode)
     assert got == greedy and stats["num_preemptions"] > 0
     got, stats = run(batch, SAMPLES, block_size=4, num_blocks=52, preemption_mode=mode)
-    assert got == sampled and stats["num_preemptions"] > 0                      # copy-on-write samples, forked then slid apart
+    assert got == sampled and stats["num_preemptions"] > 0    # copy-on-write samples, forked then slid apart
 
 
 @pytest.mark.parametrize("chunk", [8, 24])

@@ -46,7 +46,7 @@ def tiers():
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("window", [1, 7, 16, 33])
+@pytest.mark.parametrize("window", [1, 33])    # the token alone; several blocks, some contexts shorter
 @pytest.mark.parametrize("tier", ["simple", "fast", "fast-blas", "fast-split-k"])
 def test_window_matches_the_spec(case, window, tier):
     ops = dict(tiers())[tier]

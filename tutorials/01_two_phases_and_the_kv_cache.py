@@ -99,7 +99,7 @@ print(f"  {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention
       f"vocab {c.vocab_size}, tied embeddings: {c.tie_word_embeddings}")
 params = llama_params(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                       c.head_dim, c.intermediate_size, c.vocab_size, c.tie_word_embeddings)
-layer_arrays = [a for layer in model.layers for a in vars(layer).values()]
+layer_arrays = [a for layer in model.layers for a in vars(layer).values() if hasattr(a, "size")]   # no window, no bias
 held = (model.embed.size + model.final_norm.size + sum(a.size for a in layer_arrays)
         + (0 if c.tie_word_embeddings else model.lm_head.size))
 itemsize = engine.backend.dtype.itemsize          # weights and KV cache share the engine's dtype

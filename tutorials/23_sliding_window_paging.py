@@ -49,6 +49,7 @@ from minipaged.model.reference import DenseReference
 from minipaged.model.weights import load_checkpoint
 
 WINDOW, BLOCK, NEW_TOKENS = 32, 4, 160
+POOL = 256                                          # blocks: a small pool (and no swap pool), audited every step
 ROOT = Path(tempfile.mkdtemp(prefix="minipaged-t23-"))
 MISTRAL = write_tiny_llama(ROOT / "mistral", seed=3, model_type="mistral", architectures=["MistralForCausalLM"],
                            sliding_window=WINDOW, max_position_embeddings=1024)
@@ -69,7 +70,8 @@ def entries(table) -> str:
 
 def run(release: bool, show: bool):
     """One greedy request stepped by hand: (blocks held after each step, tokens, the engine)."""
-    engine = LLMEngine(str(MISTRAL), device="cpu", block_size=BLOCK, log_stats_interval=0)
+    engine = LLMEngine(str(MISTRAL), device="cpu", block_size=BLOCK, num_blocks=POOL, swap_space=0,
+                       log_stats_interval=0)
     if not release:   # the same engine, the block manager's release turned off: pages stay mapped
         engine.block_manager.sliding_window = 0
     engine.add_request("r", {"prompt_token_ids": PROMPT}, GREEDY)
@@ -107,7 +109,8 @@ print(f"   first 24 tokens equal: {tokens[:24] == reference}")
 assert tokens[:24] == reference
 
 print("\n4. Slid-out blocks are clean pages: with prefix caching they wait in the LRU")
-engine = LLMEngine(str(MISTRAL), device="cpu", block_size=BLOCK, enable_prefix_caching=True, log_stats_interval=0)
+engine = LLMEngine(str(MISTRAL), device="cpu", block_size=BLOCK, num_blocks=POOL, swap_space=0,
+                   enable_prefix_caching=True, log_stats_interval=0)
 first = engine.block_manager
 engine.add_request("a", {"prompt_token_ids": PROMPT + tokens[:40]}, SamplingParams(temperature=0.0, max_tokens=4))
 freed_while_running = 0
@@ -130,14 +133,15 @@ raw = json.loads((qwen / "config.json").read_text())
 tensors = random_tensors(tiny_config(**raw), 4)
 rng = np.random.default_rng(4)
 for i in range(raw["num_hidden_layers"]):     # Qwen2's q/k/v biases
-    for name, rows in (("q", raw["num_attention_heads"]), ("k", raw["num_key_value_heads"]), ("v", raw["num_key_value_heads"])):
+    heads = {"q": raw["num_attention_heads"], "k": raw["num_key_value_heads"], "v": raw["num_key_value_heads"]}
+    for name, rows in heads.items():
         tensors[f"model.layers.{i}.self_attn.{name}_proj.bias"] = (
             0.1 * rng.standard_normal(rows * raw["head_dim"])).astype(np.float32)
 save_file(tensors, str(qwen / "model.safetensors"))
 mixed = LlamaConfig.from_dir(qwen)
 print(f"   layer windows {mixed.layer_windows}: layer 0 reads every token, so the pool's one block table")
 print(f"   (shared by every layer) may free nothing: sliding_window for paging = {mixed.sliding_window}")
-engine = LLMEngine(str(qwen), device="cpu", block_size=BLOCK, log_stats_interval=0)
+engine = LLMEngine(str(qwen), device="cpu", block_size=BLOCK, num_blocks=POOL, swap_space=0, log_stats_interval=0)
 engine.add_request("q", {"prompt_token_ids": PROMPT}, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
 peak = 0
 while engine.has_unfinished_requests():
