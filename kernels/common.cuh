@@ -88,6 +88,62 @@ template <int FMT, typename C> __device__ __forceinline__ float2 widen2(const C*
     return make_float2(widen<FMT>(p[0]), widen<FMT>(p[1]));
 }
 
+// Eight neighbouring stored values in one vector load (the decode kernel's lanes, VEC dims
+// each): the structs carry the alignment that lets the compiler issue 16-byte loads (two for
+// float) and one 8-byte load for int8 / fp8 bytes. p must be aligned to the vector's size.
+#define VEC 8
+struct __align__(16) Float8 { float2 v[4]; };
+struct __align__(16) Half8 { __half2 v[4]; };
+struct __align__(16) Bfloat8 { __nv_bfloat162 v[4]; };
+struct __align__(8) Bytes8 { unsigned int w[2]; };    // bytes 0..3 in w[0] (little-endian), 4..7 in w[1]
+
+template <int FMT> __device__ __forceinline__ void widen8(const float* p, float* x) {
+    const Float8 r = *reinterpret_cast<const Float8*>(p);
+    for (int i = 0; i < 4; ++i) { x[2 * i] = r.v[i].x; x[2 * i + 1] = r.v[i].y; }
+}
+template <int FMT> __device__ __forceinline__ void widen8(const __half* p, float* x) {
+    const Half8 r = *reinterpret_cast<const Half8*>(p);
+    for (int i = 0; i < 4; ++i) { const float2 f = __half22float2(r.v[i]); x[2 * i] = f.x; x[2 * i + 1] = f.y; }
+}
+template <int FMT> __device__ __forceinline__ void widen8(const __nv_bfloat16* p, float* x) {
+    const Bfloat8 r = *reinterpret_cast<const Bfloat8*>(p);
+    for (int i = 0; i < 4; ++i) { const float2 f = __bfloat1622float2(r.v[i]); x[2 * i] = f.x; x[2 * i + 1] = f.y; }
+}
+template <int FMT> __device__ __forceinline__ void widen8(const signed char* p, float* x) {
+    const Bytes8 r = *reinterpret_cast<const Bytes8*>(p);
+    for (int i = 0; i < 8; ++i) x[i] = (float)(signed char)((r.w[i / 4] >> (8 * (i % 4))) & 0xffu);
+}
+template <int FMT> __device__ __forceinline__ void widen8(const unsigned char* p, float* x) {
+    const Bytes8 r = *reinterpret_cast<const Bytes8*>(p);
+    for (int i = 0; i < 8; ++i) x[i] = widen<FMT>((unsigned char)((r.w[i / 4] >> (8 * (i % 4))) & 0xffu));
+}
+// The first n (< 8, or a row not a multiple of 8 long) of them one by one; the rest are 0.
+template <int FMT, typename C> __device__ __forceinline__ void widen_n(const C* p, float* x, int n) {
+    for (int i = 0; i < VEC; ++i) x[i] = i < n ? widen<FMT>(p[i]) : 0.f;
+}
+
+// The same with the cache's format known only at run time (the decode kernel, which would
+// otherwise be compiled once per format): `elem` counts stored values from `cache`; a format's
+// branch is the same for every thread. n < 8 (or !vector: a row that is no multiple of 8): the
+// first n one by one.
+template <int FMT, typename C>
+__device__ __forceinline__ void load8_as(const void* cache, long long elem, float* x, int n, bool vector) {
+    const C* p = reinterpret_cast<const C*>(cache) + elem;
+    if (vector && n == VEC) widen8<FMT>(p, x); else widen_n<FMT>(p, x, n);
+}
+template <typename T>
+__device__ __forceinline__ void load8(const void* cache, long long elem, int fmt, float* x, int n, bool vector) {
+    switch (fmt) {
+        case KV_INT8: load8_as<KV_INT8, signed char>(cache, elem, x, n, vector); break;
+        case KV_FP8_E4M3: load8_as<KV_FP8_E4M3, unsigned char>(cache, elem, x, n, vector); break;
+        case KV_FP8_E5M2: load8_as<KV_FP8_E5M2, unsigned char>(cache, elem, x, n, vector); break;
+        default: load8_as<KV_FLOAT, T>(cache, elem, x, n, vector);
+    }
+}
+__device__ __forceinline__ float scale_of(int fmt, const float* scales, long long token) {
+    return fmt == KV_INT8 ? scales[token] : (fmt == KV_FLOAT ? 1.f : scales[0]);
+}
+
 // The scale of one stored token (int8: its own, at index `token` of the block's scales;
 // fp8: the layer's, scales[0]; a float cache: none).
 template <int FMT> __device__ __forceinline__ float token_scale(const float* scales, long long token) {
@@ -102,6 +158,7 @@ __device__ __forceinline__ unsigned char narrow_fp8(float x, int fmt) {
 // ------------------------------------------------------------------ paged attention
 // Shared by the decode kernels (paged_attention.cu) and the prefill kernel (paged_prefill.cu).
 #define NUM_WARPS 4     // warps of an attention thread block (kernels/cuda.py NUM_WARPS)
+#define GROUP_MAX 8     // query heads of one GQA group a decode thread block serves (kernels/cuda.py)
 
 // The first position a query at position `pos` reads: a sliding window of `window` positions
 // (pos - window + 1 .. pos, transformers' mask), or the sequence's first (window 0: full).

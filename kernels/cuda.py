@@ -15,7 +15,7 @@ from CuPy 14 on (``engine/backend.py`` chooses it on a GPU).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -38,6 +38,7 @@ SOURCES = ("cache_ops.cu", "paged_attention.cu", "paged_prefill.cu", "fused.cu")
 SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", BFLOAT16: "bf16"}
 
 NUM_WARPS = 4            # must match common.cuh
+GROUP_MAX = 8            # query heads a decode thread block serves at most (common.cuh)
 QUERY_TILE = 16          # must match paged_prefill.cu
 PARTITION_SIZE = 512     # split-K partition, a multiple of every block size (<= 256)
 SPLIT_K_ABOVE = 1024     # contexts longer than this use the split-K decode kernel
@@ -50,6 +51,16 @@ class CudaAttentionPlan:
     decode_only: bool        # every sequence has one query: the decode kernel
     num_partitions: int      # > 1: split-K decode, merged by the reduce kernel
     tiles: object            # (W, 2) int64 (sequence, first query row) for the prefill kernel
+    scratch: dict = field(default_factory=dict)   # the split-K partials, allocated once a step
+
+
+def decode_group_width(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """(query heads a decode thread block serves, thread blocks per KV head): the whole GQA group
+    at once, in a kernel compiled for 1, 4 or GROUP_MAX heads; a group larger than GROUP_MAX in
+    several thread blocks (each reads the KV head again)."""
+    group = num_heads // num_kv_heads
+    width = 1 if group == 1 else 4 if group <= 4 else GROUP_MAX
+    return width, -(-group // width)
 
 
 class CudaOps:
@@ -59,10 +70,18 @@ class CudaOps:
 
     name = "cuda"
 
-    def __init__(self, xp, kernels, block_copy=None) -> None:
+    def __init__(self, xp, kernels, block_copy=None, split_k_above: int = SPLIT_K_ABOVE,
+                 partition_size: int = PARTITION_SIZE) -> None:
+        """``split_k_above``: decodes of longer contexts split into ``partition_size``-position
+        partitions (a multiple of every block size), merged by the reduce kernel."""
+        if not (isinstance(partition_size, int) and partition_size > 0 and partition_size & (partition_size - 1) == 0):
+            raise ValueError(f"partition_size must be a power of two, got {partition_size!r}")
+        if not (isinstance(split_k_above, int) and split_k_above >= 0):
+            raise ValueError(f"split_k_above must be an integer >= 0, got {split_k_above!r}")
         self.xp = xp                 # cupy on a GPU, numpy in the CPU harness
         self._kernels = kernels      # name -> launcher(grid, block, args)
         self._block_copy = block_copy
+        self.split_k_above, self.partition_size = split_k_above, partition_size
         self._none = xp.ones(1, np.float32)   # what a float cache passes for its scales
         self._no_choice = xp.zeros(1, np.uint8)   # ... and dense attention for its chosen blocks
 
@@ -137,8 +156,8 @@ class CudaOps:
         """How the attention kernels split this batch: decode, split-K decode, or prefill tiles."""
         decode_only = meta.max_query_len == 1
         parts = 1
-        if decode_only and meta.max_seq_len > SPLIT_K_ABOVE:
-            parts = -(-meta.max_seq_len // PARTITION_SIZE)
+        if decode_only and meta.max_seq_len > self.split_k_above:
+            parts = -(-meta.max_seq_len // self.partition_size)
         tiles = None
         if not decode_only:
             qsl = np.asarray(_to_numpy(meta.query_start_loc), dtype=np.int64)
@@ -150,13 +169,12 @@ class CudaOps:
             tiles = self.xp.asarray(np.stack([seq, starts], axis=1).astype(np.int64))   # (W, 2)
         return CudaAttentionPlan(meta, decode_only, parts, tiles)
 
-    @staticmethod
-    def decode_partitions(plan: CudaAttentionPlan, window: int, block_size: int) -> int:
+    def decode_partitions(self, plan: CudaAttentionPlan, window: int, block_size: int) -> int:
         """How many partitions the decode kernel splits each context into: the plan's, or with a
         sliding window only as many as the window's blocks span (paged_attention.cu), at most
         window + block_size - 1 positions from the block holding its first."""
         if window and plan.num_partitions > 1:
-            return min(plan.num_partitions, -(-(window + block_size - 1) // PARTITION_SIZE))
+            return min(plan.num_partitions, -(-(window + block_size - 1) // self.partition_size))
         return plan.num_partitions
 
     def paged_attention(self, q, k_cache, v_cache, plan, scale: float, quant: KVQuant | None = None,
@@ -195,13 +213,16 @@ class CudaOps:
                 np.int32(bounds.keep), np.float32(scale)])
         if plan.decode_only:
             parts = self.decode_partitions(plan, window, block_size)
-            scratch = [xp.empty((num_seqs, num_heads, parts, head_dim), np.float32),
-                       xp.empty((num_seqs, num_heads, parts), np.float32),
-                       xp.empty((num_seqs, num_heads, parts), np.float32)]
-            self._launch("paged_decode", dtype, (num_heads, num_seqs, parts), (NUM_WARPS * 32,),
+            if parts > 1 and self.partition_size % block_size:
+                raise ValueError(f"split-K: partitions of {self.partition_size} positions do not hold whole "
+                                 f"blocks of {block_size}")
+            width, chunks = decode_group_width(num_heads, num_kv_heads)
+            scratch = self._split_k_scratch(plan, num_seqs, num_heads, parts, head_dim)
+            self._launch("paged_decode", dtype, (num_kv_heads * chunks, num_seqs, parts), (NUM_WARPS * 32,),
                          [out, *scratch, q, k_cache, v_cache, k_scale, v_scale, chosen, tables, seq_lens,
-                          *common, np.int32(PARTITION_SIZE if parts > 1 else max(meta.max_seq_len, 1)),
-                          np.int32(fmt), np.int32(sparse), np.int32(window), np.float32(scale)])
+                          np.int32(max_blocks), np.int32(num_heads), *common[1:],
+                          np.int32(self.partition_size if parts > 1 else max(meta.max_seq_len, 1)),
+                          np.int32(fmt), np.int32(sparse), np.int32(window), np.int32(width), np.float32(scale)])
             if parts > 1:
                 self._launch("paged_decode_reduce", dtype, (num_heads, num_seqs), (128,),
                              [out, *scratch, np.int32(parts), np.int32(head_dim)])
@@ -210,6 +231,19 @@ class CudaOps:
                      [out, q, k_cache, v_cache, k_scale, v_scale, chosen, tables, seq_lens, qsl, plan.tiles,
                       *common, np.int32(fmt), np.int32(sparse), np.int32(window), np.float32(scale)])
         return out
+
+    def _split_k_scratch(self, plan: CudaAttentionPlan, num_seqs, num_heads, parts, head_dim) -> list:
+        """The split-K partials (S, heads, parts, head_dim) and their max and sum (S, heads, parts),
+        allocated once a step, at the first layer that needs them, and reused by every other (a
+        layer with a window may launch fewer partitions: it uses the front of the same memory)."""
+        parts = max(parts, plan.num_partitions)
+        key = (num_seqs, num_heads, parts, head_dim)
+        if plan.scratch.get("key") != key:
+            xp = self.xp
+            plan.scratch.update(key=key, arrays=[xp.empty(num_seqs * num_heads * parts * head_dim, np.float32),
+                                                 xp.empty(num_seqs * num_heads * parts, np.float32),
+                                                 xp.empty(num_seqs * num_heads * parts, np.float32)])
+        return plan.scratch["arrays"]
 
     # ------------------------------------------------------------------ matrix products
     def linear(self, x, w, plan=None):
@@ -267,6 +301,11 @@ class CudaOps:
     def copy_blocks(self, kv_cache, block_mapping) -> None:
         self.swap_blocks(kv_cache, kv_cache, block_mapping)
 
+    def block_copy_problem(self) -> str | None:
+        """Why copy-on-write and swapping cannot run on this backend (Numba CUDA missing), or None."""
+        problem = getattr(self._block_copy, "problem", None)
+        return problem() if problem is not None else None
+
 
 def _to_numpy(array):
     return array.get() if hasattr(array, "get") else array
@@ -276,8 +315,9 @@ def kernel_sources() -> dict[str, str]:
     return {name: (KERNEL_DIR / name).read_text() for name in SOURCES}
 
 
-def cpu_harness_ops() -> CudaOps:
-    """CudaOps whose kernels run on the CPU (tests): the same host code, NumPy arrays."""
+def cpu_harness_ops(**split_k) -> CudaOps:
+    """CudaOps whose kernels run on the CPU (tests): the same host code, NumPy arrays.
+    ``split_k``: CudaOps's split_k_above and partition_size (small ones test split-K on short contexts)."""
     from . import cuda_harness  # noqa: PLC0415
     from .reference import swap_blocks as numpy_swap  # noqa: PLC0415
 
@@ -292,15 +332,47 @@ def cpu_harness_ops() -> CudaOps:
         def swap_blocks(src, dst, mapping):
             numpy_swap(src, dst, mapping)
 
-    return CudaOps(np, kernels, NumpyCopy())
+    return CudaOps(np, kernels, NumpyCopy(), **split_k)
+
+
+NUMBA_CUDA_HINT = ("the numba-cuda package: pip install 'minipaged[gpu]' (CUDA 13) or 'minipaged[gpu-cu12]' "
+                   "(CUDA 12); on a toolkit install, set CUDA_HOME")
+
+
+class NumbaCudaCopies:
+    """The block copies of ``kernels/block_copy.py`` (Numba CUDA), imported at the first copy.
+
+    The CuPy kernels need no Numba: attention, KV writes and the rest run without it. Only
+    copy-on-write and swapping (a DMA engine, in OS terms) do; ``problem()`` says why they
+    cannot run here, and a copy without Numba CUDA raises that as a RuntimeError."""
+
+    def __init__(self) -> None:
+        self._module = None
+        self._error: str | None = None
+
+    def problem(self) -> str | None:
+        """None if Numba CUDA's copies load; else why not, and what to install."""
+        if self._module is None and self._error is None:
+            try:
+                from . import block_copy  # noqa: PLC0415 (imports numba.cuda)
+
+                self._module = block_copy
+            except Exception as err:  # noqa: BLE001 (any failure to load is the same answer)
+                self._error = (f"copy-on-write and swapping on a GPU need Numba CUDA ({NUMBA_CUDA_HINT}), "
+                               f"which did not load: {type(err).__name__}: {err}")
+        return self._error
+
+    def swap_blocks(self, src, dst, mapping) -> None:
+        if self.problem() is not None:
+            raise RuntimeError(self._error)
+        self._module.swap_blocks(src, dst, mapping)
 
 
 @lru_cache(maxsize=None)
 def gpu_ops() -> CudaOps:
-    """CudaOps on the current GPU: every .cu file compiled once per process by NVRTC via CuPy."""
+    """CudaOps on the current GPU: every .cu file compiled once per process by NVRTC via CuPy.
+    Numba CUDA is not imported here: only the block copies need it (``NumbaCudaCopies``)."""
     import cupy  # noqa: PLC0415
-
-    from . import block_copy  # noqa: PLC0415
 
     from .cuda_harness import kernel_signatures  # noqa: PLC0415
 
@@ -314,7 +386,7 @@ def gpu_ops() -> CudaOps:
         module = cupy.RawModule(code=source.replace('#include "common.cuh"', common), options=options)
         for kernel in kernel_signatures(source):
             kernels[kernel] = module.get_function(kernel)
-    return CudaOps(cupy, kernels, block_copy)
+    return CudaOps(cupy, kernels, NumbaCudaCopies())
 
 
 def cuda_include_dirs(major: int | None = None) -> list[str]:

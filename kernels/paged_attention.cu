@@ -33,109 +33,151 @@
 #define SELECT_SHARED_BLOCKS 4096                  // block bounds ranked in shared memory (16 KiB)
 
 // ------------------------------------------------------------------------------ decode
+// A thread block serves one KV head of one sequence (one partition of it) and the query heads of
+// that KV head's GQA group, up to GROUP of them (a larger group takes several thread blocks, each
+// reading the KV head again): every K and V row is read from memory once for them all.
+// Inside a warp a token takes LANES lanes, LANES = head_dim / VEC rounded up to a power of two,
+// each lane VEC = 8 consecutive dims loaded as one vector (16 bytes of half or bfloat16, two of
+// 16 for float, 8 bytes of int8 or fp8): at head_dim 64 a warp reads 4 tokens at once, at 128
+// two, at 256 one, and no lane is masked off (a head_dim that is not a power of two times 8 leaves
+// the lanes past it idle; one that is not a multiple of 8 is read element by element). Each query
+// head's score is summed over the token's LANES lanes; each group of LANES lanes keeps its own
+// online softmax over its tokens, merged through shuffles at the end, then across warps through
+// shared memory.
 
-template <typename T, typename C, int FMT>
+template <typename T, int GROUP>
 __device__ void paged_decode(T* __restrict__ out, float* __restrict__ part_out,
                              float* __restrict__ part_max, float* __restrict__ part_sum,
-                             const T* __restrict__ q, const C* __restrict__ k_cache,
-                             const C* __restrict__ v_cache, const float* __restrict__ k_scale,
+                             const T* __restrict__ q, const void* __restrict__ k_cache,
+                             const void* __restrict__ v_cache, int fmt, const float* __restrict__ k_scale,
                              const float* __restrict__ v_scale, const unsigned char* __restrict__ chosen,
                              const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
-                             int max_blocks, int num_kv_heads, int head_dim, int block_size,
+                             int max_blocks, int num_heads, int num_kv_heads, int head_dim, int block_size,
                              int partition_size, int sparse, int window, float scale, float* s_max, float* s_sum,
-                             float (*s_acc)[MAX_HEAD_DIM]) {
-    const int head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
-    const int num_heads = gridDim.x, num_parts = gridDim.z;
-    const int kv_head = head / (num_heads / num_kv_heads);   // GQA: heads share a KV head
+                             float* s_acc) {
+    const int group = num_heads / num_kv_heads;                        // query heads per KV head
+    const int chunks = (group + GROUP - 1) / GROUP;                    // thread blocks per KV head
+    const int kv_head = blockIdx.x / chunks;
+    const int head0 = kv_head * group + (blockIdx.x % chunks) * GROUP;  // this block's first query head
+    const int heads = min(GROUP, (kv_head + 1) * group - head0);       // ... and how many it serves
+    const int seq = blockIdx.y, part = blockIdx.z, num_parts = gridDim.z;
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    int lanes = 1;                                                     // a token's lanes
+    while (lanes * VEC < head_dim) lanes <<= 1;
+    const int sub = lane / lanes, tokens_at_once = WARP_SIZE / lanes;
+    const int d0 = (lane % lanes) * VEC;                               // this lane's first dim
+    const int n = max(0, min(VEC, head_dim - d0));                     // ... and how many it has
+    const bool vector = head_dim % VEC == 0;                           // whole, aligned vectors
     const int seq_len = seq_lens[seq];
     const int lo = window_start(seq_len - 1, window);        // the first position the query reads
     const int start = lo - lo % block_size + part * partition_size;   // partitions from lo's block on
     const int end = min(seq_len, start + partition_size);
 
-    // This lane's dims of the (scaled) query and of the running output.
-    float qv[2 * MAX_PAIRS], acc[2 * MAX_PAIRS];
-    const T* q_row = q + ((long long)seq * num_heads + head) * head_dim;
-    for (int i = 0; i < MAX_PAIRS; ++i) {
-        const int d = 64 * i + 2 * lane;
-        float2 x = d < head_dim ? load2(q_row + d) : make_float2(0.f, 0.f);
-        qv[2 * i] = x.x * scale;
-        qv[2 * i + 1] = x.y * scale;
-        acc[2 * i] = acc[2 * i + 1] = 0.f;
+    // This lane's dims of each query head (scaled) and of its running output.
+    float qv[GROUP][VEC], acc[GROUP][VEC], m[GROUP], l[GROUP];
+    for (int g = 0; g < GROUP; ++g) {
+        float x[VEC];
+        const T* q_row = q + ((long long)seq * num_heads + head0 + min(g, heads - 1)) * head_dim + d0;
+        if (vector && n == VEC) widen8<KV_FLOAT>(q_row, x); else widen_n<KV_FLOAT>(q_row, x, n);
+        for (int i = 0; i < VEC; ++i) {
+            qv[g][i] = x[i] * scale;
+            acc[g][i] = 0.f;
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.f;
     }
-    float m = -INFINITY, l = 0.f;  // online softmax: running max and running sum of exp
     const int* table = block_tables + (long long)seq * max_blocks;
-    const unsigned char* keep = chosen + ((long long)seq * num_heads + head) * max_blocks;
     for (int b = start / block_size + warp; b * block_size < end; b += NUM_WARPS) {
-        if (sparse && !keep[b]) continue;    // block-sparse: a block this head does not read
+        unsigned reads = (1u << GROUP) - 1;             // the heads that read this block
+        if (sparse) {                                   // block-sparse: those that chose it
+            reads = 0;
+            for (int g = 0; g < heads; ++g)
+                reads |= (unsigned)(chosen[((long long)seq * num_heads + head0 + g) * max_blocks + b] != 0) << g;
+            if (!reads) continue;                       // the same for every lane of the warp
+        }
         const long long first_token = ((long long)table[b] * num_kv_heads + kv_head) * block_size;
         const int first = b * block_size;
         const int last = min(end, first + block_size);
-        for (int pos = max(first, lo); pos < last; ++pos) {     // a window's first block: from lo
+        for (int p0 = max(first, lo); p0 < last; p0 += tokens_at_once) {   // a window's first block: from lo
+            const int pos = p0 + sub;
+            const bool valid = pos < last;
             const long long token = first_token + (pos - first);   // (block, kv head, offset)
-            const C* k_row = k_cache + token * head_dim;
-            float s = 0.f;
-            for (int i = 0; i < MAX_PAIRS; ++i) {
-                const int d = 64 * i + 2 * lane;
-                if (d < head_dim) {
-                    float2 kk = widen2<FMT>(k_row + d);
-                    s += qv[2 * i] * kk.x + qv[2 * i + 1] * kk.y;
-                }
+            float kx[VEC];
+            load8<T>(k_cache, token * head_dim + d0, fmt, kx, valid ? n : 0, vector);
+            float s[GROUP];
+            for (int g = 0; g < GROUP; ++g) {
+                s[g] = 0.f;
+                for (int i = 0; i < VEC; ++i) s[g] += qv[g][i] * kx[i];
             }
-            s = warp_sum(s) * token_scale<FMT>(k_scale, token);  // every lane now holds q . k
-            const float m_new = fmaxf(m, s);
-            const float correction = __expf(m - m_new), p = __expf(s - m_new);
-            l = l * correction + p;
-            const float pv = p * token_scale<FMT>(v_scale, token);
-            const C* v_row = v_cache + token * head_dim;
-            for (int i = 0; i < MAX_PAIRS; ++i) {
-                const int d = 64 * i + 2 * lane;
-                if (d < head_dim) {
-                    float2 vv = widen2<FMT>(v_row + d);
-                    acc[2 * i] = acc[2 * i] * correction + pv * vv.x;
-                    acc[2 * i + 1] = acc[2 * i + 1] * correction + pv * vv.y;
-                }
+            for (int mask = lanes / 2; mask > 0; mask >>= 1)      // the token's lanes: q . k
+                for (int g = 0; g < GROUP; ++g) s[g] += __shfl_xor_sync(FULL_MASK, s[g], mask);
+            if (!valid) continue;                                 // no shuffle below
+            const float ks = scale_of(fmt, k_scale, token), vs = scale_of(fmt, v_scale, token);
+            float vx[VEC];
+            load8<T>(v_cache, token * head_dim + d0, fmt, vx, n, vector);
+            for (int g = 0; g < GROUP; ++g) {
+                if (g >= heads || !((reads >> g) & 1u)) continue;
+                const float score = s[g] * ks;
+                const float m_new = fmaxf(m[g], score);
+                const float correction = __expf(m[g] - m_new), p = __expf(score - m_new);
+                l[g] = l[g] * correction + p;
+                const float pv = p * vs;
+                for (int i = 0; i < VEC; ++i) acc[g][i] = acc[g][i] * correction + pv * vx[i];
+                m[g] = m_new;
             }
-            m = m_new;
         }
     }
 
-    // Merge the warps through shared memory (s_max, s_sum: (NUM_WARPS,), s_acc: (NUM_WARPS,
-    // MAX_HEAD_DIM)): out = sum_w acc_w e^(m_w - M) / sum_w l_w e^(m_w - M).
-    if (lane == 0) {
-        s_max[warp] = m;
-        s_sum[warp] = l;
+    // The warp's token groups hold the same dims of different tokens: merge them (shuffles).
+    for (int offset = lanes; offset < WARP_SIZE; offset <<= 1) {
+        for (int g = 0; g < GROUP; ++g) {
+            const float m_other = __shfl_xor_sync(FULL_MASK, m[g], offset);
+            const float l_other = __shfl_xor_sync(FULL_MASK, l[g], offset);
+            const float big = fmaxf(m[g], m_other);
+            const float mine = m[g] == -INFINITY ? 0.f : __expf(m[g] - big);
+            const float theirs = m_other == -INFINITY ? 0.f : __expf(m_other - big);
+            for (int i = 0; i < VEC; ++i) {
+                const float a = __shfl_xor_sync(FULL_MASK, acc[g][i], offset);
+                acc[g][i] = acc[g][i] * mine + a * theirs;
+            }
+            l[g] = l[g] * mine + l_other * theirs;
+            m[g] = big;
+        }
     }
-    for (int i = 0; i < MAX_PAIRS; ++i) {
-        const int d = 64 * i + 2 * lane;
-        if (d < head_dim) {
-            s_acc[warp][d] = acc[2 * i];
-            s_acc[warp][d + 1] = acc[2 * i + 1];
+    // Then the warps, through shared memory (s_max, s_sum: (NUM_WARPS, GROUP_MAX); s_acc:
+    // (NUM_WARPS, GROUP_MAX, MAX_HEAD_DIM)): out = sum_w acc_w e^(m_w - M) / sum_w l_w e^(m_w - M).
+    if (sub == 0) {
+        for (int g = 0; g < heads; ++g) {
+            if (lane == 0) {
+                s_max[warp * GROUP_MAX + g] = m[g];
+                s_sum[warp * GROUP_MAX + g] = l[g];
+            }
+            for (int i = 0; i < n; ++i) s_acc[(warp * GROUP_MAX + g) * MAX_HEAD_DIM + d0 + i] = acc[g][i];
         }
     }
     __syncthreads();
-    float big = -INFINITY;
-    for (int w = 0; w < NUM_WARPS; ++w) big = fmaxf(big, s_max[w]);
-    float total = 0.f;
-    float weight[NUM_WARPS];
-    for (int w = 0; w < NUM_WARPS; ++w) {
-        weight[w] = s_max[w] == -INFINITY ? 0.f : __expf(s_max[w] - big);
-        total += s_sum[w] * weight[w];
-    }
-    const long long row = (long long)seq * num_heads + head;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float o = 0.f;
-        for (int w = 0; w < NUM_WARPS; ++w) o += s_acc[w][d] * weight[w];
+    for (int idx = threadIdx.x; idx < heads * head_dim; idx += blockDim.x) {
+        const int g = idx / head_dim, d = idx % head_dim;
+        float big = -INFINITY;
+        for (int w = 0; w < NUM_WARPS; ++w) big = fmaxf(big, s_max[w * GROUP_MAX + g]);
+        float total = 0.f, o = 0.f;
+        for (int w = 0; w < NUM_WARPS; ++w) {
+            const float mw = s_max[w * GROUP_MAX + g];
+            const float weight = mw == -INFINITY ? 0.f : __expf(mw - big);
+            total += s_sum[w * GROUP_MAX + g] * weight;
+            o += s_acc[(w * GROUP_MAX + g) * MAX_HEAD_DIM + d] * weight;
+        }
         o = total > 0.f ? o / total : 0.f;   // an empty partition (past the end) contributes 0
+        const long long row = (long long)seq * num_heads + head0 + g;
         if (num_parts == 1) {
             store(out + row * head_dim + d, o);
         } else {
             part_out[(row * num_parts + part) * head_dim + d] = o;
+            if (d == 0) {
+                part_max[row * num_parts + part] = big;
+                part_sum[row * num_parts + part] = total;
+            }
         }
-    }
-    if (num_parts > 1 && threadIdx.x == 0) {
-        part_max[row * num_parts + part] = big;
-        part_sum[row * num_parts + part] = total;
     }
 }
 
@@ -215,14 +257,20 @@ __device__ void paged_select_blocks(unsigned char* __restrict__ chosen, float* _
 // reserve its own).
 
 #define DECODE_SHARED                                                                         \
-    __shared__ float s_max[NUM_WARPS], s_sum[NUM_WARPS];                                      \
-    __shared__ float s_acc[NUM_WARPS][MAX_HEAD_DIM];
+    __shared__ float s_max[NUM_WARPS * GROUP_MAX], s_sum[NUM_WARPS * GROUP_MAX];              \
+    __shared__ float s_acc[NUM_WARPS * GROUP_MAX * MAX_HEAD_DIM];
 
-#define DECODE(T, C, FMT)                                                                     \
-    paged_decode<T, C, FMT>(out, part_out, part_max, part_sum, q, (const C*)k_cache,          \
-                            (const C*)v_cache, k_scale, v_scale, chosen, block_tables, seq_lens, \
-                            max_blocks, num_kv_heads, head_dim, block_size, partition_size, sparse, window, \
-                            scale, s_max, s_sum, s_acc)
+#define DECODE_BODY(T, G)                                                                     \
+    paged_decode<T, G>(out, part_out, part_max, part_sum, q, k_cache, v_cache, kv_format, k_scale, \
+                       v_scale, chosen, block_tables, seq_lens, max_blocks, num_heads, num_kv_heads, \
+                       head_dim, block_size, partition_size, sparse, window, scale, s_max, s_sum, s_acc)
+
+// The group width (query heads a thread block serves) kernels/cuda.py chose: 1 (no GQA), 4, or 8.
+// The cache's format is read at run time (load8): one body per width, not one per format too.
+#define DECODE(T)                                                                             \
+    if (group_width == 1) { DECODE_BODY(T, 1); }                                              \
+    else if (group_width == 4) { DECODE_BODY(T, 4); }                                         \
+    else { DECODE_BODY(T, GROUP_MAX); }
 
 extern "C" __global__ void paged_decode_f32(float* __restrict__ out, float* __restrict__ part_out,
                                             float* __restrict__ part_max, float* __restrict__ part_sum,
@@ -231,11 +279,12 @@ extern "C" __global__ void paged_decode_f32(float* __restrict__ out, float* __re
                                             const float* __restrict__ v_scale,
                                             const unsigned char* __restrict__ chosen,
                                             const int* __restrict__ block_tables,
-                                            const int* __restrict__ seq_lens, int max_blocks,
+                                            const int* __restrict__ seq_lens, int max_blocks, int num_heads,
                                             int num_kv_heads, int head_dim, int block_size,
-                                            int partition_size, int kv_format, int sparse, int window, float scale) {
+                                            int partition_size, int kv_format, int sparse, int window,
+                                            int group_width, float scale) {
     DECODE_SHARED
-    DISPATCH_FORMAT(float, DECODE)
+    DECODE(float)
 }
 
 extern "C" __global__ void paged_decode_f16(__half* __restrict__ out, float* __restrict__ part_out,
@@ -245,11 +294,12 @@ extern "C" __global__ void paged_decode_f16(__half* __restrict__ out, float* __r
                                             const float* __restrict__ v_scale,
                                             const unsigned char* __restrict__ chosen,
                                             const int* __restrict__ block_tables,
-                                            const int* __restrict__ seq_lens, int max_blocks,
+                                            const int* __restrict__ seq_lens, int max_blocks, int num_heads,
                                             int num_kv_heads, int head_dim, int block_size,
-                                            int partition_size, int kv_format, int sparse, int window, float scale) {
+                                            int partition_size, int kv_format, int sparse, int window,
+                                            int group_width, float scale) {
     DECODE_SHARED
-    DISPATCH_FORMAT(__half, DECODE)
+    DECODE(__half)
 }
 
 extern "C" __global__ void paged_decode_bf16(__nv_bfloat16* __restrict__ out, float* __restrict__ part_out,
@@ -259,11 +309,12 @@ extern "C" __global__ void paged_decode_bf16(__nv_bfloat16* __restrict__ out, fl
                                              const float* __restrict__ v_scale,
                                              const unsigned char* __restrict__ chosen,
                                              const int* __restrict__ block_tables,
-                                             const int* __restrict__ seq_lens, int max_blocks,
+                                             const int* __restrict__ seq_lens, int max_blocks, int num_heads,
                                              int num_kv_heads, int head_dim, int block_size,
-                                             int partition_size, int kv_format, int sparse, int window, float scale) {
+                                             int partition_size, int kv_format, int sparse, int window,
+                                             int group_width, float scale) {
     DECODE_SHARED
-    DISPATCH_FORMAT(__nv_bfloat16, DECODE)
+    DECODE(__nv_bfloat16)
 }
 
 extern "C" __global__ void paged_decode_reduce_f32(float* __restrict__ out, const float* __restrict__ part_out,

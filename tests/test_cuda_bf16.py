@@ -135,9 +135,8 @@ def test_write_kv_and_the_fused_kernels_in_bfloat16(ops):
 
 
 @pytest.mark.parametrize("kind", ["decode", "split-K", "prefill", "mixed"])
-def test_attention_in_bfloat16(ops, monkeypatch, kind):
-    monkeypatch.setattr(cuda, "SPLIT_K_ABOVE", 40)
-    monkeypatch.setattr(cuda, "PARTITION_SIZE", 32)
+def test_attention_in_bfloat16(ops, kind):
+    ops = cuda.cpu_harness_ops(split_k_above=40, partition_size=32)
     seqs = {"decode": [(1, 40), (1, 9)], "split-K": [(1, 150), (1, 3)], "prefill": [(12, 40), (9, 9)],
             "mixed": [(1, 33), (20, 20), (4, 30)]}[kind]
     rng = np.random.default_rng(len(kind))

@@ -65,9 +65,8 @@ def paged_logits(model, config, ids, chunks, block_size=4):
 
 
 @pytest.mark.parametrize("family, dtype", [("qwen2", "float32"), ("qwen3", "bfloat16"), ("mistral", "float32")])
-def test_a_family_through_the_cuda_kernels_matches_transformers(ops, monkeypatch, family, dtype):
-    monkeypatch.setattr(cuda, "SPLIT_K_ABOVE", 20)      # the decodes (contexts 25..) in partitions of 8
-    monkeypatch.setattr(cuda, "PARTITION_SIZE", 8)
+def test_a_family_through_the_cuda_kernels_matches_transformers(ops, family, dtype):
+    ops = cuda.cpu_harness_ops(split_k_above=20, partition_size=8)      # the decodes (contexts 25..) in partitions of 8
     config = LlamaConfig.from_dir(FAMILIES / family)
     prompt = json.loads((FAMILIES / family / "expected.json").read_text())["prompts"][1]
     wanted = np.load(FAMILIES / family / "expected_logits.npz")["prompt_logits_1"][:CHUNKS[-1][1]]  # (28, vocab)

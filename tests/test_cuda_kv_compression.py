@@ -121,11 +121,10 @@ def test_attention_over_compressed_blocks_matches_the_spec(ops, case):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_split_k_and_half_precision_over_compressed_blocks(ops, monkeypatch, fmt):
+def test_split_k_and_half_precision_over_compressed_blocks(ops, fmt):
     """Long contexts cut into partitions, merged by the reduce kernel; half-precision queries
     (as on a GPU) over the same bytes; a prefill in half precision too."""
-    monkeypatch.setattr(cuda, "SPLIT_K_ABOVE", 40)
-    monkeypatch.setattr(cuda, "PARTITION_SIZE", 32)
+    ops = cuda.cpu_harness_ops(split_k_above=40, partition_size=32)
     rng = np.random.default_rng(fmt)
     q, k_float, v_float, meta = random_batch(rng, block_size=8, num_heads=2, num_kv_heads=1, head_dim=64,
                                              seqs=[(1, 150), (1, 3), (1, 64)])
@@ -216,7 +215,7 @@ def test_sparse_decode_matches_the_spec(ops, case):
     np.testing.assert_allclose(got[decodes:], dense[decodes:], atol=3e-5, rtol=1e-4)
 
 
-def test_a_covering_budget_is_dense_attention_exactly_and_split_k_keeps_the_choice(ops, monkeypatch):
+def test_a_covering_budget_is_dense_attention_exactly_and_split_k_keeps_the_choice(ops):
     rng = np.random.default_rng(3)
     q, k_float, v_float, meta = random_batch(rng, block_size=16, num_heads=6, num_kv_heads=2, head_dim=64,
                                              seqs=[(1, 200), (1, 37), (1, 16)])
@@ -227,8 +226,7 @@ def test_a_covering_budget_is_dense_attention_exactly_and_split_k_keeps_the_choi
     sparse = ops.paged_attention(q, kc, vc, meta, 0.125, None, BlockBounds(key_min, key_max, 4))
     assert not np.array_equal(sparse[0], dense[0])              # 200 tokens in 13 blocks: 4 kept
     np.testing.assert_array_equal(sparse[1:], dense[1:])        # 3 and 1 blocks: all kept
-    monkeypatch.setattr(cuda, "SPLIT_K_ABOVE", 40)               # the same choice across partitions
-    monkeypatch.setattr(cuda, "PARTITION_SIZE", 64)
+    ops = cuda.cpu_harness_ops(split_k_above=40, partition_size=64)               # the same choice across partitions
     assert ops.plan_attention(meta).num_partitions == 4
     split = ops.paged_attention(q, kc, vc, meta, 0.125, None, BlockBounds(key_min, key_max, 4))
     np.testing.assert_allclose(split, sparse, atol=2e-6, rtol=1e-5)

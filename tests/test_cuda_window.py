@@ -80,8 +80,7 @@ def test_window_attention_matches_the_spec(ops, name):
 def test_split_k_decode_launches_only_the_windows_partitions(ops, monkeypatch, name):
     """Partitions of 16 positions over contexts of up to 150: with a window of 20 (its blocks span
     at most 23 positions) two partitions, not ten; the reduce kernel merges them."""
-    monkeypatch.setattr(cuda, "SPLIT_K_ABOVE", 40)
-    monkeypatch.setattr(cuda, "PARTITION_SIZE", 16)
+    ops = cuda.cpu_harness_ops(split_k_above=40, partition_size=16)
     launched = []
     kernels = dict(ops._kernels)
     for suffix in ("f32", "bf16"):

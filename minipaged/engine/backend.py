@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import ConfigError
 from ..kernels.fast.linear_paths import LinearPaths
 from ..kernels.fast.tuning import DEFAULT_TUNING, FastTuning
 from ..kernels.fast.thread_pools import settle_blas_threads, settle_numba_layer
@@ -43,10 +44,30 @@ class Backend:
         """The tier that runs: "simple", "fast" or "cuda"."""
         return self.ops.name
 
+    def block_copy_problem(self) -> str | None:
+        """Why blocks cannot be copied here (copy-on-write, swapping), or None: on a GPU, the
+        copies are Numba CUDA kernels, loaded apart from the CuPy ones (kernels/cuda.py)."""
+        problem = getattr(self.ops, "block_copy_problem", None)
+        return problem() if problem is not None else None
+
     def with_linear_paths(self, linear_paths: LinearPaths, gemm) -> Backend:
         """The same backend with each kind of step's engine settled (``engine/linear_calibration.py``)."""
         return dataclasses.replace(self, linear_paths=linear_paths, gemm=gemm,
                                    ops=self.ops.with_paths(linear_paths, gemm))
+
+
+def without_block_copies(cache_config, copy_problem: str | None, preemption_mode: str):
+    """``cache_config`` as it can be where blocks cannot be copied (``copy_problem``): without a
+    swap space (a preempted request is then recomputed, with a warning), or a ConfigError if the
+    preemption mode must swap. Requests that fork are refused as they come (input_processor)."""
+    if copy_problem is None or cache_config.swap_space == 0:
+        return cache_config
+    if preemption_mode in ("swap", "partial"):
+        raise ConfigError(f"preemption_mode={preemption_mode!r} swaps blocks out, but {copy_problem}; "
+                          "or use preemption_mode='recompute'")
+    logger.warning("%s; running without a swap space (swap_space=0): a preempted request is recomputed",
+                   copy_problem)
+    return dataclasses.replace(cache_config, swap_space=0)
 
 
 def cuda_available() -> bool:

@@ -51,8 +51,9 @@ class PromptInput:
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  block_manager: BlockManager, kv_allocator: str, max_logprobs: int = 20,
-                 max_num_seqs: int | None = None) -> None:
+                 max_num_seqs: int | None = None, block_copy_problem: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.block_copy_problem = block_copy_problem   # why blocks cannot be copied (no Numba CUDA), or None
         self.max_num_seqs = max_num_seqs     # the scheduler runs at most this many sequences at once
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -138,6 +139,9 @@ class InputProcessor:
             if asked is not None and 0 <= self.max_logprobs < asked:
                 raise RequestError(f"{name}={asked} is more than max_logprobs={self.max_logprobs} "
                                    "(an engine option; raise it to get more)")
+        if params.n > 1 and self.block_copy_problem is not None:
+            raise RequestError(f"n={params.n} (or beam_width): the samples share their prompt's blocks "
+                               f"copy-on-write, but {self.block_copy_problem}; or send n=1")
         if self.max_num_seqs is not None and params.n > self.max_num_seqs:
             # its n sequences must run together, and the scheduler never runs that many
             raise RequestError(f"n={params.n} sequences can never run at once: max_num_seqs="

@@ -33,7 +33,7 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, derive_seed
 from ..scheduler.scheduler import Scheduler
 from ..sequence import SequenceGroup
-from .backend import select_backend
+from .backend import select_backend, without_block_copies
 from .beam_search import BeamSearchParams, advance_beams
 from .spec_decode.draft_model import DraftModel, load_draft_config
 from .parallel.executor import check_executor, make_executor
@@ -134,6 +134,9 @@ class LLMEngine:
         self.backend = select_backend(self.config.device, self.config.dtype, self.config.cpu_gemm,
                                       kernels=self.config.kernels, tuning=fast_tuning, checkpoint_dtype=c.torch_dtype)
         check_executor(self.parallel_config, self.backend.device)
+        # a GPU without Numba CUDA: no swap space, and no request that forks (n > 1, beams)
+        copy_problem = self.backend.block_copy_problem()
+        cache_config = without_block_copies(cache_config, copy_problem, preemption_mode)
         # cpu_gemm="auto" with oneMKL: each kind of step's engine, timed once a machine and model shape
         self.backend = settle_linear_paths(self.backend, self.model_config, model_dir)
         draft = None      # (directory, config) of a draft model, checked before anything loads
@@ -179,7 +182,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.max_model_len, self.block_manager, kv_allocator,
                                               max_logprobs=self.config.max_logprobs,
-                                              max_num_seqs=self.scheduler_config.max_num_seqs)
+                                              max_num_seqs=self.scheduler_config.max_num_seqs,
+                                              block_copy_problem=copy_problem)
         self.metrics = Metrics()
         self.spec = (SpeculativeDecoder(self.speculative_config, self.max_model_len, self.draft)
                      if self.speculative_config is not None else None)

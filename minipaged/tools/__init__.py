@@ -19,6 +19,8 @@
                     then the engine end to end (``--smoke``: the same on the CPU harness)
     gpu_kernel_checks.py  gpu_check's kernel part: every CUDA kernel variant against its spec, and
                     the forward pass through the kernels against the dense reference
+    gpu_preflight.py  before gpu_check measures: the versions, the preflight (the kernels compile,
+                    Numba CUDA launches), the CPU kernels compiled
     viz.py          pictures of the KV pool and the page tables from real engine state (text, SVG)
 
 They read the engine's state; like a profiler or ``top``, they sit above it.

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .gpu_kernel_checks import elementwise_report, kernel_report, model_report
+from .gpu_kernel_checks import block_copy_report, elementwise_report, kernel_report, model_report
+from .gpu_preflight import preflight, versions, warm_cpu
 
 SMOLLM2_SHAPES = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                       num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
@@ -54,7 +55,8 @@ class Device:
 
             from ..kernels.cuda import BFLOAT16
 
-            self.xp, self.ops = np, cpu_harness_ops()
+            # split-K above 128 positions, not 1024: the smoke's short contexts split too
+            self.xp, self.ops = np, cpu_harness_ops(split_k_above=128, partition_size=64)
             self.bfloat16 = BFLOAT16 is not None       # the harness needs only ml_dtypes
         else:
             import cupy
@@ -219,66 +221,38 @@ def parallel_report(dev: Device, smoke: bool, out: dict) -> None:
                                         f"{gpus}" if gpus < 2 else "run tests/test_gpu.py -k nccl")
 
 
-def preflight(smoke: bool) -> int:
-    """Fail in seconds, and say why, if the kernels cannot compile or Numba CUDA cannot launch."""
-    import os  # noqa: PLC0415
-
-    failures = []
-    try:
-        from ..kernels.cuda import cuda_include_dirs, kernel_sources  # noqa: PLC0415
-
-        if smoke:
-            from ..kernels.cuda import cpu_harness_ops  # noqa: PLC0415
-
-            ops = cpu_harness_ops()
-        else:
-            import cupy  # noqa: PLC0415
-
-            from ..kernels.cuda import gpu_ops  # noqa: PLC0415
-
-            props = cupy.cuda.runtime.getDeviceProperties(0)
-            print(f"GPU: {props['name'].decode()} (sm_{props['major']}{props['minor']}), CuPy {cupy.__version__}, "
-                  f"CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, include dirs {cuda_include_dirs()}")
-            ops = gpu_ops()      # the engine's own loader: every .cu file, the engine's flags
-        print(f"compiled {', '.join(kernel_sources())}: {len(ops._kernels)} kernels")
-    except Exception as err:  # noqa: BLE001 (reported, and the script stops)
-        failures.append(f"the CUDA C kernels: {type(err).__name__}: {err}")
-    try:
-        if smoke:
-            import numba  # noqa: PLC0415
-
-            numba.config.ENABLE_CUDASIM = 1      # read when numba.cuda is first imported
-        from ..kernels import block_copy  # noqa: PLC0415 (imports numba.cuda)
-
-        if not block_copy.probe_mapped_launch():
-            raise RuntimeError("the kernel ran but the mapped array does not hold its result")
-        print(f"Numba CUDA: a kernel wrote a mapped host array ({'simulator' if smoke else 'device'}); "
-              f"CUDA_HOME={os.environ.get('CUDA_HOME', '(unset)')}")
-    except Exception as err:  # noqa: BLE001
-        failures.append(f"Numba CUDA: {type(err).__name__}: {err} (on a toolkit install, is CUDA_HOME set?)")
-    for failure in failures:
-        print(f"PREFLIGHT FAILED: {failure}")
-    print("preflight: ok" if not failures else "preflight: failed")
-    return 1 if failures else 0
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".", help="folder for gpu_results.json")
     p.add_argument("--smoke", action="store_true", help="run on the CPU harness with tiny shapes")
     p.add_argument("--preflight", action="store_true",
                    help="only check that the kernels compile and Numba CUDA launches (seconds)")
+    p.add_argument("--section", choices=SECTIONS, action="append",
+                   help="run only this step (repeatable), adding its results to gpu_results.json "
+                        "(scripts/gpu_check.sh runs each in its own process, under its own time limit)")
+    p.add_argument("--record", nargs=3, metavar=("STEP", "EXIT", "SECONDS"),
+                   help="record a step's exit status and seconds in gpu_results.json (the script does, "
+                        "so a step it had to kill is in the results too)")
     args = p.parse_args(argv)
     if args.preflight:
         return preflight(args.smoke)
     out_file = Path(args.out) / "gpu_results.json"
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    report: dict = {"date": time.strftime("%Y-%m-%d")}
+    merge = bool(args.section or args.record)      # one step of many: add to what is there
+    report: dict = json.loads(out_file.read_text()) if merge and out_file.exists() else {}
+    report.setdefault("date", time.strftime("%Y-%m-%d"))
+    if args.record:
+        step, status, seconds = args.record
+        report.setdefault("steps", {})[step] = {"exit": int(status), "seconds": int(seconds),
+                                                "timed_out": int(status) in (124, 137)}
+        out_file.write_text(json.dumps(report, indent=2, default=str))
+        return 0
 
     def section(name: str, fn) -> None:
         """Run one step; a failure is recorded and the next step still runs. The results so
         far are written after every step, so a time-out loses only the step it hit."""
         started = time.perf_counter()
+        report.get("errors", {}).pop(name, None)
         try:
             fn()
         except Exception as err:  # noqa: BLE001 (one broken step must not lose the others)
@@ -287,24 +261,45 @@ def main(argv=None) -> int:
         out_file.write_text(json.dumps(report, indent=2, default=str))
         print(f"[gpu_check] {name}: {report['seconds'][name]} s", flush=True)
 
-    dev = Device(args.smoke)
-    section("device", lambda: report.update(dev.info()))
-    section("copy_bandwidth", lambda: report.update(
-        copy_bandwidth_gb_per_s=copy_bandwidth(dev, 4 if args.smoke else 2048) / 1e9))
+    chosen = args.section or [s for s in SECTIONS if s != "warm_cpu"]
+    dev = None
+    if any(s in DEVICE_SECTIONS for s in chosen):
+        dev = Device(args.smoke)
 
     def attention():
         report["attention"] = kernel_report(dev, args.smoke)
+        bandwidth = report.get("copy_bandwidth_gb_per_s")
         for row in report["attention"]:
-            if "kv_gb_per_s" in row:     # not a skipped row
-                row["share_of_copy_bandwidth"] = row["kv_gb_per_s"] / report["copy_bandwidth_gb_per_s"]
+            if "kv_gb_per_s" in row and bandwidth:     # not a skipped row
+                row["share_of_copy_bandwidth"] = row["kv_gb_per_s"] / bandwidth
 
-    section("attention", attention)
-    section("other_kernels", lambda: report.update(other_kernels=elementwise_report(dev, args.smoke)))
-    section("models", lambda: report.update(models=model_report(dev, args.smoke)))
-    section("end_to_end", lambda: end_to_end(dev, args.smoke, report))
-    section("parallel", lambda: parallel_report(dev, args.smoke, report))
-    print(json.dumps(report, indent=2, default=str))
-    return 1 if report.get("errors") else 0
+    def device():
+        report.update(dev.info())
+        report["copy_bandwidth_gb_per_s"] = copy_bandwidth(dev, 4 if args.smoke else 2048) / 1e9
+
+    steps = {
+        "versions": lambda: report.update(versions=versions()),
+        "warm_cpu": lambda: report.update(warm_cpu=warm_cpu(args.smoke)),
+        "device": device,
+        "attention": attention,
+        "other_kernels": lambda: report.update(other_kernels=elementwise_report(dev, args.smoke)),
+        "block_copies": lambda: report.update(block_copies=block_copy_report(dev, args.smoke)),
+        "models": lambda: report.update(models=model_report(dev, args.smoke)),
+        "end_to_end": lambda: end_to_end(dev, args.smoke, report),
+        "parallel": lambda: parallel_report(dev, args.smoke, report),
+    }
+    for name in chosen:
+        section(name, steps[name])
+    print(json.dumps({k: report[k] for k in chosen if k in report} if args.section else report, indent=2,
+                     default=str))
+    return 1 if any(name in report.get("errors", {}) for name in chosen) else 0
+
+
+# the steps in the order scripts/gpu_check.sh runs them (warm_cpu beside the others, in the
+# background); those that need the device (or, smoke, the CPU harness)
+SECTIONS = ("versions", "warm_cpu", "device", "attention", "other_kernels", "block_copies", "models",
+            "end_to_end", "parallel")
+DEVICE_SECTIONS = ("device", "attention", "other_kernels", "block_copies", "models", "end_to_end", "parallel")
 
 
 if __name__ == "__main__":
