@@ -24,7 +24,7 @@ template <typename T, typename C, int FMT>
 __device__ void write_kv(const T* __restrict__ k, const T* __restrict__ v, C* __restrict__ k_cache,
                          C* __restrict__ v_cache, float* __restrict__ k_scale, float* __restrict__ v_scale,
                          const long long* __restrict__ slot_mapping, int num_kv_heads, int head_dim,
-                         int block_size) {
+                         int block_size, int k_stride, int v_stride) {
     const int token = blockIdx.x;
     const long long slot = slot_mapping[token];
     if (slot < 0) return;  // a padding row: nothing to write
@@ -35,8 +35,8 @@ __device__ void write_kv(const T* __restrict__ k, const T* __restrict__ v, C* __
         for (int i = threadIdx.x; i < row; i += blockDim.x) {
             const int head = i / head_dim, d = i % head_dim;
             const long long dst = ((block * num_kv_heads + head) * block_size + offset) * head_dim + d;
-            k_cache[dst] = (C)k[(long long)token * row + i];
-            v_cache[dst] = (C)v[(long long)token * row + i];
+            k_cache[dst] = (C)k[(long long)token * k_stride + i];
+            v_cache[dst] = (C)v[(long long)token * v_stride + i];
         }
     } else {
         const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
@@ -44,7 +44,7 @@ __device__ void write_kv(const T* __restrict__ k, const T* __restrict__ v, C* __
         for (int head = warp; head < num_kv_heads; head += num_warps) {   // warp-uniform
             const long long tok = (block * num_kv_heads + head) * block_size + offset;   // (block, head, offset)
             for (int which = 0; which < 2; ++which) {
-                const T* x = (which ? v : k) + (long long)token * row + head * head_dim;
+                const T* x = (which ? v : k) + (long long)token * (which ? v_stride : k_stride) + head * head_dim;
                 C* dst = (which ? v_cache : k_cache) + tok * head_dim;
                 float* scales = which ? v_scale : k_scale;
                 if constexpr (FMT == KV_INT8) {
@@ -67,25 +67,25 @@ __device__ void write_kv(const T* __restrict__ k, const T* __restrict__ v, C* __
 template <typename T>
 __device__ void write_kv_any(const T* k, const T* v, void* k_cache, void* v_cache, float* k_scale,
                              float* v_scale, const long long* slot_mapping, int num_kv_heads, int head_dim,
-                             int block_size, int kv_format) {
+                             int block_size, int kv_format, int k_stride, int v_stride) {
     switch (kv_format) {
         case KV_INT8:
             write_kv<T, signed char, KV_INT8>(k, v, (signed char*)k_cache, (signed char*)v_cache, k_scale,
-                                              v_scale, slot_mapping, num_kv_heads, head_dim, block_size);
+                                              v_scale, slot_mapping, num_kv_heads, head_dim, block_size, k_stride, v_stride);
             break;
         case KV_FP8_E4M3:
             write_kv<T, unsigned char, KV_FP8_E4M3>(k, v, (unsigned char*)k_cache, (unsigned char*)v_cache,
                                                     k_scale, v_scale, slot_mapping, num_kv_heads, head_dim,
-                                                    block_size);
+                                                    block_size, k_stride, v_stride);
             break;
         case KV_FP8_E5M2:
             write_kv<T, unsigned char, KV_FP8_E5M2>(k, v, (unsigned char*)k_cache, (unsigned char*)v_cache,
                                                     k_scale, v_scale, slot_mapping, num_kv_heads, head_dim,
-                                                    block_size);
+                                                    block_size, k_stride, v_stride);
             break;
         default:
             write_kv<T, T, KV_FLOAT>(k, v, (T*)k_cache, (T*)v_cache, k_scale, v_scale, slot_mapping,
-                                     num_kv_heads, head_dim, block_size);
+                                     num_kv_heads, head_dim, block_size, k_stride, v_stride);
     }
 }
 
@@ -93,33 +93,33 @@ extern "C" __global__ void write_kv_f32(const float* __restrict__ k, const float
                                         void* __restrict__ k_cache, void* __restrict__ v_cache,
                                         float* __restrict__ k_scale, float* __restrict__ v_scale,
                                         const long long* __restrict__ slot_mapping, int num_kv_heads,
-                                        int head_dim, int block_size, int kv_format) {
+                                        int head_dim, int block_size, int kv_format, int k_stride, int v_stride) {
     write_kv_any<float>(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, num_kv_heads, head_dim,
-                        block_size, kv_format);
+                        block_size, kv_format, k_stride, v_stride);
 }
 
 extern "C" __global__ void write_kv_f16(const __half* __restrict__ k, const __half* __restrict__ v,
                                         void* __restrict__ k_cache, void* __restrict__ v_cache,
                                         float* __restrict__ k_scale, float* __restrict__ v_scale,
                                         const long long* __restrict__ slot_mapping, int num_kv_heads,
-                                        int head_dim, int block_size, int kv_format) {
+                                        int head_dim, int block_size, int kv_format, int k_stride, int v_stride) {
     write_kv_any<__half>(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, num_kv_heads, head_dim,
-                         block_size, kv_format);
+                         block_size, kv_format, k_stride, v_stride);
 }
 
 extern "C" __global__ void write_kv_bf16(const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v,
                                          void* __restrict__ k_cache, void* __restrict__ v_cache,
                                          float* __restrict__ k_scale, float* __restrict__ v_scale,
                                          const long long* __restrict__ slot_mapping, int num_kv_heads,
-                                         int head_dim, int block_size, int kv_format) {
+                                         int head_dim, int block_size, int kv_format, int k_stride, int v_stride) {
     write_kv_any<__nv_bfloat16>(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, num_kv_heads, head_dim,
-                                block_size, kv_format);
+                                block_size, kv_format, k_stride, v_stride);
 }
 
 template <typename T>
 __device__ void update_key_bounds(const T* __restrict__ k, const long long* __restrict__ slot_mapping,
                                   float* __restrict__ key_min, float* __restrict__ key_max, int num_tokens,
-                                  int num_kv_heads, int head_dim, int block_size) {
+                                  int num_kv_heads, int head_dim, int block_size, int k_stride) {
     const int row = num_kv_heads * head_dim;
     const int t0 = blockIdx.x;
     const int i = blockIdx.y * blockDim.x + threadIdx.x;   // (head, d) of this thread
@@ -132,7 +132,7 @@ __device__ void update_key_bounds(const T* __restrict__ k, const long long* __re
     float hi = slot % block_size == 0 ? -INFINITY : key_max[at];
     for (int t = t0; t < num_tokens && slot_mapping[t] == slot + (t - t0)
                      && (t == t0 || slot_mapping[t] % block_size != 0); ++t) {
-        const float x = to_float(k[(long long)t * row + i]);
+        const float x = to_float(k[(long long)t * k_stride + i]);
         lo = fminf(lo, x);
         hi = fmaxf(hi, x);
     }
@@ -142,19 +142,19 @@ __device__ void update_key_bounds(const T* __restrict__ k, const long long* __re
 
 extern "C" __global__ void update_key_bounds_f32(const float* __restrict__ k, const long long* __restrict__ slot_mapping,
                                                  float* __restrict__ key_min, float* __restrict__ key_max,
-                                                 int num_tokens, int num_kv_heads, int head_dim, int block_size) {
-    update_key_bounds<float>(k, slot_mapping, key_min, key_max, num_tokens, num_kv_heads, head_dim, block_size);
+                                                 int num_tokens, int num_kv_heads, int head_dim, int block_size, int k_stride) {
+    update_key_bounds<float>(k, slot_mapping, key_min, key_max, num_tokens, num_kv_heads, head_dim, block_size, k_stride);
 }
 
 extern "C" __global__ void update_key_bounds_f16(const __half* __restrict__ k, const long long* __restrict__ slot_mapping,
                                                  float* __restrict__ key_min, float* __restrict__ key_max,
-                                                 int num_tokens, int num_kv_heads, int head_dim, int block_size) {
-    update_key_bounds<__half>(k, slot_mapping, key_min, key_max, num_tokens, num_kv_heads, head_dim, block_size);
+                                                 int num_tokens, int num_kv_heads, int head_dim, int block_size, int k_stride) {
+    update_key_bounds<__half>(k, slot_mapping, key_min, key_max, num_tokens, num_kv_heads, head_dim, block_size, k_stride);
 }
 
 extern "C" __global__ void update_key_bounds_bf16(const __nv_bfloat16* __restrict__ k,
                                                   const long long* __restrict__ slot_mapping,
                                                   float* __restrict__ key_min, float* __restrict__ key_max,
-                                                  int num_tokens, int num_kv_heads, int head_dim, int block_size) {
-    update_key_bounds<__nv_bfloat16>(k, slot_mapping, key_min, key_max, num_tokens, num_kv_heads, head_dim, block_size);
+                                                  int num_tokens, int num_kv_heads, int head_dim, int block_size, int k_stride) {
+    update_key_bounds<__nv_bfloat16>(k, slot_mapping, key_min, key_max, num_tokens, num_kv_heads, head_dim, block_size, k_stride);
 }

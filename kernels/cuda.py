@@ -106,18 +106,29 @@ class CudaOps:
             return
         xp = self.xp
         dtype = self._compute_dtype(k_cache, k)
-        k, v = xp.ascontiguousarray(k, dtype=dtype), xp.ascontiguousarray(v, dtype=dtype)
+        (k, k_stride), (v, v_stride) = self._rows(k, dtype), self._rows(v, dtype)
         slots = xp.ascontiguousarray(slot_mapping, dtype=np.int64)
         block_size = k_cache.shape[2]
         if bounds is not None:
             row = num_kv_heads * head_dim
             self._launch("update_key_bounds", dtype, (num_tokens, -(-row // 128)), (128,), [
                 k, slots, bounds.key_min, bounds.key_max, np.int32(num_tokens), np.int32(num_kv_heads),
-                np.int32(head_dim), np.int32(block_size)])
+                np.int32(head_dim), np.int32(block_size), k_stride])
         fmt, k_scale, v_scale = self._scales(quant)
         self._launch("write_kv", dtype, (num_tokens,), (128,), [
             k, v, k_cache, v_cache, k_scale, v_scale, slots, np.int32(num_kv_heads), np.int32(head_dim),
-            np.int32(block_size), np.int32(fmt)])
+            np.int32(block_size), np.int32(fmt), k_stride, v_stride])
+
+    def _rows(self, x, dtype):
+        """x (T, heads, D) as the kernels read it, and the stride between its rows (elements): a
+        view whose rows lie a stride apart (q, k or v cut from the fused qkv output: (T, heads, D)
+        of a (T, q + 2kv) matrix) as it is, with no copy; anything else as a contiguous copy."""
+        item = np.dtype(dtype).itemsize
+        _, heads, dim = x.shape
+        if (x.dtype == dtype and x.strides[2] == item and x.strides[1] == dim * item
+                and x.strides[0] % item == 0 and x.strides[0] >= heads * dim * item):
+            return x, np.int32(x.strides[0] // item)
+        return self.xp.ascontiguousarray(x, dtype=dtype), np.int32(heads * dim)
 
     def _scales(self, quant: KVQuant | None):
         """(format, K scales, V scales) as the kernels take them."""
@@ -160,7 +171,8 @@ class CudaOps:
             parts = -(-meta.max_seq_len // self.partition_size)
         tiles = None
         if not decode_only:
-            qsl = np.asarray(_to_numpy(meta.query_start_loc), dtype=np.int64)
+            host = meta.host_query_start_loc         # no device-to-host copy where the step kept it
+            qsl = np.asarray(_to_numpy(meta.query_start_loc) if host is None else host, dtype=np.int64)
             q_lens = np.diff(qsl)
             counts = -(-q_lens // QUERY_TILE)
             seq = np.repeat(np.arange(len(q_lens)), counts)
@@ -195,7 +207,7 @@ class CudaOps:
         num_tokens, num_heads, head_dim = q.shape
         assert head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} not supported"
         dtype = self._compute_dtype(k_cache, q)
-        q = xp.ascontiguousarray(q, dtype=dtype)
+        q, q_stride = self._rows(q, dtype)            # a view of the qkv output, read in place
         out = xp.empty(q.shape, dtype=dtype)
         num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
         tables = xp.ascontiguousarray(meta.block_tables, dtype=np.int32)
@@ -210,7 +222,7 @@ class CudaOps:
             scores = xp.empty((num_seqs, num_heads, max_blocks), np.float32)   # (S, heads, max_blocks)
             self._launch("paged_select_blocks", dtype, (num_heads, num_seqs), (128,), [
                 chosen, scores, q, bounds.key_min, bounds.key_max, tables, seq_lens, qsl, *common,
-                np.int32(bounds.keep), np.float32(scale)])
+                np.int32(bounds.keep), q_stride, np.float32(scale)])
         if plan.decode_only:
             parts = self.decode_partitions(plan, window, block_size)
             if parts > 1 and self.partition_size % block_size:
@@ -222,14 +234,15 @@ class CudaOps:
                          [out, *scratch, q, k_cache, v_cache, k_scale, v_scale, chosen, tables, seq_lens,
                           np.int32(max_blocks), np.int32(num_heads), *common[1:],
                           np.int32(self.partition_size if parts > 1 else max(meta.max_seq_len, 1)),
-                          np.int32(fmt), np.int32(sparse), np.int32(window), np.int32(width), np.float32(scale)])
+                          np.int32(fmt), np.int32(sparse), np.int32(window), np.int32(width), q_stride,
+                          np.float32(scale)])
             if parts > 1:
                 self._launch("paged_decode_reduce", dtype, (num_heads, num_seqs), (128,),
                              [out, *scratch, np.int32(parts), np.int32(head_dim)])
             return out
         self._launch("paged_prefill", dtype, (plan.tiles.shape[0], num_heads), (NUM_WARPS * 32,),
                      [out, q, k_cache, v_cache, k_scale, v_scale, chosen, tables, seq_lens, qsl, plan.tiles,
-                      *common, np.int32(fmt), np.int32(sparse), np.int32(window), np.float32(scale)])
+                      *common, np.int32(fmt), np.int32(sparse), np.int32(window), q_stride, np.float32(scale)])
         return out
 
     def _split_k_scratch(self, plan: CudaAttentionPlan, num_seqs, num_heads, parts, head_dim) -> list:
@@ -267,7 +280,9 @@ class CudaOps:
         return out
 
     def rotary(self, x, positions, cos, sin):
-        out = self.xp.array(x, copy=True, order="C")
+        """In place (``KernelOps.rotary``): q and k, views of the fused qkv output, are rotated
+        where they lie, rows a stride apart, and returned; anything else is copied first."""
+        out, stride = self._rows(x, x.dtype)
         tokens, heads, head_dim = out.shape
         n = tokens * heads * head_dim // 2
         if n == 0:
@@ -276,7 +291,7 @@ class CudaOps:
                      [out, self.xp.ascontiguousarray(positions, dtype=np.int64),
                       self.xp.ascontiguousarray(cos, dtype=np.float32),
                       self.xp.ascontiguousarray(sin, dtype=np.float32),
-                      np.int32(tokens), np.int32(heads), np.int32(head_dim)])
+                      np.int32(tokens), np.int32(heads), np.int32(head_dim), stride])
         return out
 
     def silu_and_mul(self, gate_up):

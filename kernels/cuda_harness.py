@@ -63,9 +63,10 @@ def _launcher_source(cu_path: Path, kernels: dict[str, list[str]]) -> str:
 class CpuKernels:
     """Launchers for the kernels of one compiled .cu file."""
 
-    def __init__(self, library: ctypes.CDLL, kernels: dict[str, list[str]]) -> None:
+    def __init__(self, library: ctypes.CDLL, kernels: dict[str, list[str]], strided: set[str]) -> None:
         self._lib = library
         self.signatures = kernels
+        self._strided = strided      # kernels that take a row stride (a *_stride parameter)
 
     def __getattr__(self, name: str):
         if name not in self.signatures:
@@ -79,8 +80,10 @@ class CpuKernels:
             holders = []
             for value, ctype in zip(args, self.signatures[name]):
                 if ctype.endswith("*"):
-                    assert isinstance(value, np.ndarray) and value.flags.c_contiguous, (
-                        f"{name}: pointer arguments are C-contiguous numpy arrays")
+                    assert isinstance(value, np.ndarray) and (value.flags.c_contiguous or (
+                        name in self._strided and _row_strided(value))), (
+                        f"{name}: pointer arguments are C-contiguous numpy arrays (or, to a kernel that "
+                        "takes a row stride, (T, heads, D) rows a stride apart)")
                     holders.append(ctypes.c_void_p(value.ctypes.data))
                 else:
                     assert type(value) is _NUMPY_SCALARS[ctype], (
@@ -91,6 +94,12 @@ class CpuKernels:
             launch(*[ctypes.c_uint(v) for v in grid + block], pointers)
 
         return run
+
+
+def _row_strided(a: np.ndarray) -> bool:
+    """(T, heads, D) whose rows lie a stride apart, each row's heads and dims contiguous."""
+    return a.ndim == 3 and a.strides[2] == a.itemsize and a.strides[1] == a.shape[2] * a.itemsize \
+        and a.strides[0] >= a.shape[1] * a.strides[1]
 
 
 def load(cu_path: str | Path, build_dir: str | Path | None = None) -> CpuKernels:
@@ -106,10 +115,12 @@ def load(cu_path: str | Path, build_dir: str | Path | None = None) -> CpuKernels
     if not library.exists():
         launcher = build / f"{cu_path.stem}-{digest}.cpp"
         launcher.write_text(_launcher_source(cu_path, kernels))
-        cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-DMINIPAGED_CPU_HARNESS",
+        cmd = ["g++", "-std=c++20", "-O1", "-fno-strict-aliasing", "-shared", "-fPIC", "-pthread",
+               "-DMINIPAGED_CPU_HARNESS",
                "-include", str(SHIM), "-I", str(KERNEL_DIR), str(launcher), "-o", str(library) + ".tmp"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"compiling {cu_path.name} for the CPU failed:\n{done.stderr[-4000:]}")
         Path(str(library) + ".tmp").rename(library)
-    return CpuKernels(ctypes.CDLL(str(library)), kernels)
+    strided = {name for name, params in _SIGNATURE.findall(source) if "_stride" in params}
+    return CpuKernels(ctypes.CDLL(str(library)), kernels, strided)

@@ -1,7 +1,8 @@
 // Small fused kernels around the matrix products (specs: kernels/reference.py rms_norm,
 // rotary, silu_and_mul). Each reads its input once and writes its output once.
 //   rms_norm_*      grid = (num_tokens,), block = (128,): one thread block per row
-//   rotary_*        grid = (ceil(num_tokens * heads * head_dim / 2 / 256),), block = (256,): in place
+//   rotary_*        grid = (ceil(num_tokens * heads * head_dim / 2 / 256),), block = (256,): in place,
+//                   token t's (heads, head_dim) at x + t * row_stride (q or k as a view of the qkv output)
 //   silu_and_mul_*  grid = (ceil(num_tokens * ffn / 256),), block = (256,)
 // Arithmetic in float32 whatever the storage type.
 #include "common.cuh"
@@ -33,13 +34,13 @@ __device__ void rms_norm(T* __restrict__ out, const T* __restrict__ x, const T* 
 template <typename T>
 __device__ void rotary(T* __restrict__ x, const long long* __restrict__ positions,
                        const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-                       int num_tokens, int heads, int head_dim) {
+                       int num_tokens, int heads, int head_dim, int row_stride) {
     const int half = head_dim / 2;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // one (token, head, pair)
     if (idx >= (long long)num_tokens * heads * half) return;
     const int i = (int)(idx % half);
     const long long token = idx / half / heads;
-    T* row = x + (idx / half) * head_dim;  // (token, head) row
+    T* row = x + token * row_stride + ((idx / half) % heads) * head_dim;  // (token, head): rows a stride apart
     const long long pos = positions[token];
     const float c = cos_table[pos * half + i], s = sin_table[pos * half + i];
     const float a = to_float(row[i]), b = to_float(row[i + half]);
@@ -74,20 +75,20 @@ extern "C" __global__ void rms_norm_bf16(__nv_bfloat16* __restrict__ out, const 
 
 extern "C" __global__ void rotary_f32(float* __restrict__ x, const long long* __restrict__ positions,
                                       const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-                                      int num_tokens, int heads, int head_dim) {
-    rotary<float>(x, positions, cos_table, sin_table, num_tokens, heads, head_dim);
+                                      int num_tokens, int heads, int head_dim, int row_stride) {
+    rotary<float>(x, positions, cos_table, sin_table, num_tokens, heads, head_dim, row_stride);
 }
 
 extern "C" __global__ void rotary_f16(__half* __restrict__ x, const long long* __restrict__ positions,
                                       const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-                                      int num_tokens, int heads, int head_dim) {
-    rotary<__half>(x, positions, cos_table, sin_table, num_tokens, heads, head_dim);
+                                      int num_tokens, int heads, int head_dim, int row_stride) {
+    rotary<__half>(x, positions, cos_table, sin_table, num_tokens, heads, head_dim, row_stride);
 }
 
 extern "C" __global__ void rotary_bf16(__nv_bfloat16* __restrict__ x, const long long* __restrict__ positions,
                                        const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-                                       int num_tokens, int heads, int head_dim) {
-    rotary<__nv_bfloat16>(x, positions, cos_table, sin_table, num_tokens, heads, head_dim);
+                                       int num_tokens, int heads, int head_dim, int row_stride) {
+    rotary<__nv_bfloat16>(x, positions, cos_table, sin_table, num_tokens, heads, head_dim, row_stride);
 }
 
 extern "C" __global__ void silu_and_mul_f32(float* __restrict__ out, const float* __restrict__ gate_up,

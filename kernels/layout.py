@@ -103,6 +103,9 @@ class AttentionMetadata:
     block_tables: np.ndarray     # (S, max_blocks) int32 physical block ids, -1 padded
     max_query_len: int           # longest query run (1 for a batch of decodes)
     max_seq_len: int
+    # query_start_loc as a host array, where the others live on a GPU: the CUDA kernels' prefill
+    # tiles are planned from it without reading the device copy back (None: read it back)
+    host_query_start_loc: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:

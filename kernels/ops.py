@@ -119,7 +119,9 @@ class KernelOps(Protocol):
         """x (T, hidden) / rms(x) * weight (hidden,): (T, hidden)."""
 
     def rotary(self, x, positions, cos, sin) -> Any:
-        """Rotate-half RoPE of x (T, heads, D) at positions (T,): a new (T, heads, D)."""
+        """Rotate-half RoPE of x (T, heads, D) at positions (T,) -> (T, heads, D). A tier may
+        rotate x in place and return it (the CUDA tier does: q and k, views of the fused qkv
+        output, are rotated where they lie), so x is not read again after this."""
 
     def silu_and_mul(self, gate_up) -> Any:
         """gate_up (T, 2 * ffn) = [gate | up] -> silu(gate) * up: (T, ffn)."""

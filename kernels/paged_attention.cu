@@ -53,8 +53,8 @@ __device__ void paged_decode(T* __restrict__ out, float* __restrict__ part_out,
                              const float* __restrict__ v_scale, const unsigned char* __restrict__ chosen,
                              const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
                              int max_blocks, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                             int partition_size, int sparse, int window, float scale, float* s_max, float* s_sum,
-                             float* s_acc) {
+                             int partition_size, int sparse, int window, int q_stride, float scale, float* s_max,
+                             float* s_sum, float* s_acc) {
     const int group = num_heads / num_kv_heads;                        // query heads per KV head
     const int chunks = (group + GROUP - 1) / GROUP;                    // thread blocks per KV head
     const int kv_head = blockIdx.x / chunks;
@@ -77,8 +77,8 @@ __device__ void paged_decode(T* __restrict__ out, float* __restrict__ part_out,
     float qv[GROUP][VEC], acc[GROUP][VEC], m[GROUP], l[GROUP];
     for (int g = 0; g < GROUP; ++g) {
         float x[VEC];
-        const T* q_row = q + ((long long)seq * num_heads + head0 + min(g, heads - 1)) * head_dim + d0;
-        if (vector && n == VEC) widen8<KV_FLOAT>(q_row, x); else widen_n<KV_FLOAT>(q_row, x, n);
+        const T* q_row = q + (long long)seq * q_stride + (head0 + min(g, heads - 1)) * head_dim + d0;
+        if (vector && q_stride % VEC == 0 && n == VEC) widen8<KV_FLOAT>(q_row, x); else widen_n<KV_FLOAT>(q_row, x, n);
         for (int i = 0; i < VEC; ++i) {
             qv[g][i] = x[i] * scale;
             acc[g][i] = 0.f;
@@ -213,14 +213,14 @@ __device__ void paged_select_blocks(unsigned char* __restrict__ chosen, float* _
                                     const float* __restrict__ key_max, const int* __restrict__ block_tables,
                                     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
                                     int max_blocks, int num_kv_heads, int head_dim, int block_size, int keep,
-                                    float scale) {
+                                    int q_stride, float scale) {
     const int head = blockIdx.x, seq = blockIdx.y, num_heads = gridDim.x;
     if (query_start_loc[seq + 1] - query_start_loc[seq] != 1) return;   // not decoding: dense
     const int kv_head = head / (num_heads / num_kv_heads);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int num_warps = blockDim.x / WARP_SIZE;
     const int n = (seq_lens[seq] + block_size - 1) / block_size;         // the context's blocks
-    const T* q_row = q + ((long long)query_start_loc[seq] * num_heads + head) * head_dim;
+    const T* q_row = q + (long long)query_start_loc[seq] * q_stride + head * head_dim;
     const int* table = block_tables + (long long)seq * max_blocks;
     const long long row = (long long)seq * num_heads + head;
     // the bounds, in shared memory when they fit (every thread reads all of them below)
@@ -263,7 +263,7 @@ __device__ void paged_select_blocks(unsigned char* __restrict__ chosen, float* _
 #define DECODE_BODY(T, G)                                                                     \
     paged_decode<T, G>(out, part_out, part_max, part_sum, q, k_cache, v_cache, kv_format, k_scale, \
                        v_scale, chosen, block_tables, seq_lens, max_blocks, num_heads, num_kv_heads, \
-                       head_dim, block_size, partition_size, sparse, window, scale, s_max, s_sum, s_acc)
+                       head_dim, block_size, partition_size, sparse, window, q_stride, scale, s_max, s_sum, s_acc)
 
 // The group width (query heads a thread block serves) kernels/cuda.py chose: 1 (no GQA), 4, or 8.
 // The cache's format is read at run time (load8): one body per width, not one per format too.
@@ -282,7 +282,7 @@ extern "C" __global__ void paged_decode_f32(float* __restrict__ out, float* __re
                                             const int* __restrict__ seq_lens, int max_blocks, int num_heads,
                                             int num_kv_heads, int head_dim, int block_size,
                                             int partition_size, int kv_format, int sparse, int window,
-                                            int group_width, float scale) {
+                                            int group_width, int q_stride, float scale) {
     DECODE_SHARED
     DECODE(float)
 }
@@ -297,7 +297,7 @@ extern "C" __global__ void paged_decode_f16(__half* __restrict__ out, float* __r
                                             const int* __restrict__ seq_lens, int max_blocks, int num_heads,
                                             int num_kv_heads, int head_dim, int block_size,
                                             int partition_size, int kv_format, int sparse, int window,
-                                            int group_width, float scale) {
+                                            int group_width, int q_stride, float scale) {
     DECODE_SHARED
     DECODE(__half)
 }
@@ -312,7 +312,7 @@ extern "C" __global__ void paged_decode_bf16(__nv_bfloat16* __restrict__ out, fl
                                              const int* __restrict__ seq_lens, int max_blocks, int num_heads,
                                              int num_kv_heads, int head_dim, int block_size,
                                              int partition_size, int kv_format, int sparse, int window,
-                                             int group_width, float scale) {
+                                             int group_width, int q_stride, float scale) {
     DECODE_SHARED
     DECODE(__nv_bfloat16)
 }
@@ -345,9 +345,9 @@ extern "C" __global__ void paged_select_blocks_f32(unsigned char* __restrict__ c
                                                    const int* __restrict__ seq_lens,
                                                    const int* __restrict__ query_start_loc, int max_blocks,
                                                    int num_kv_heads, int head_dim, int block_size, int keep,
-                                                   float scale) {
+                                                   int q_stride, float scale) {
     paged_select_blocks<float>(chosen, bound, q, key_min, key_max, block_tables, seq_lens, query_start_loc,
-                               max_blocks, num_kv_heads, head_dim, block_size, keep, scale);
+                               max_blocks, num_kv_heads, head_dim, block_size, keep, q_stride, scale);
 }
 
 extern "C" __global__ void paged_select_blocks_f16(unsigned char* __restrict__ chosen, float* __restrict__ bound,
@@ -357,9 +357,9 @@ extern "C" __global__ void paged_select_blocks_f16(unsigned char* __restrict__ c
                                                    const int* __restrict__ seq_lens,
                                                    const int* __restrict__ query_start_loc, int max_blocks,
                                                    int num_kv_heads, int head_dim, int block_size, int keep,
-                                                   float scale) {
+                                                   int q_stride, float scale) {
     paged_select_blocks<__half>(chosen, bound, q, key_min, key_max, block_tables, seq_lens, query_start_loc,
-                                max_blocks, num_kv_heads, head_dim, block_size, keep, scale);
+                                max_blocks, num_kv_heads, head_dim, block_size, keep, q_stride, scale);
 }
 
 extern "C" __global__ void paged_select_blocks_bf16(unsigned char* __restrict__ chosen, float* __restrict__ bound,
@@ -370,7 +370,7 @@ extern "C" __global__ void paged_select_blocks_bf16(unsigned char* __restrict__ 
                                                     const int* __restrict__ seq_lens,
                                                     const int* __restrict__ query_start_loc, int max_blocks,
                                                     int num_kv_heads, int head_dim, int block_size, int keep,
-                                                    float scale) {
+                                                    int q_stride, float scale) {
     paged_select_blocks<__nv_bfloat16>(chosen, bound, q, key_min, key_max, block_tables, seq_lens, query_start_loc,
-                                       max_blocks, num_kv_heads, head_dim, block_size, keep, scale);
+                                       max_blocks, num_kv_heads, head_dim, block_size, keep, q_stride, scale);
 }

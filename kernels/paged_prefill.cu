@@ -30,7 +30,8 @@ __device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, cons
                               const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
                               const int* __restrict__ query_start_loc, const long long* __restrict__ tiles,
                               int max_blocks, int num_kv_heads, int head_dim, int block_size, int sparse,
-                              int window, float scale, float (*s_k)[MAX_HEAD_DIM], float (*s_v)[MAX_HEAD_DIM]) {
+                              int window, int q_stride, float scale, float (*s_k)[MAX_HEAD_DIM],
+                              float (*s_v)[MAX_HEAD_DIM]) {
     // tiles on x (up to 2^31 - 1 of them), heads on y
     const int head = blockIdx.y, num_heads = gridDim.y;
     const int kv_head = head / (num_heads / num_kv_heads);
@@ -48,7 +49,7 @@ __device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, cons
         const int t = t0 + warp + j * NUM_WARPS;
         for (int i = 0; i < MAX_PAIRS; ++i) {
             const int d = 64 * i + 2 * lane;
-            float2 x = (t < t1 && d < head_dim) ? load2(q + ((long long)t * num_heads + head) * head_dim + d)
+            float2 x = (t < t1 && d < head_dim) ? load2(q + (long long)t * q_stride + head * head_dim + d)
                                                 : make_float2(0.f, 0.f);
             qv[j][2 * i] = x.x * scale;
             qv[j][2 * i + 1] = x.y * scale;
@@ -134,7 +135,7 @@ __device__ void paged_prefill(T* __restrict__ out, const T* __restrict__ q, cons
 #define PREFILL(T, C, FMT)                                                                    \
     paged_prefill<T, C, FMT>(out, q, (const C*)k_cache, (const C*)v_cache, k_scale, v_scale, chosen, \
                              block_tables, seq_lens, query_start_loc, tiles, max_blocks, num_kv_heads, \
-                             head_dim, block_size, sparse, window, scale, s_k, s_v)
+                             head_dim, block_size, sparse, window, q_stride, scale, s_k, s_v)
 
 extern "C" __global__ void paged_prefill_f32(float* __restrict__ out, const float* __restrict__ q,
                                              const void* __restrict__ k_cache, const void* __restrict__ v_cache,
@@ -145,7 +146,7 @@ extern "C" __global__ void paged_prefill_f32(float* __restrict__ out, const floa
                                              const int* __restrict__ query_start_loc,
                                              const long long* __restrict__ tiles, int max_blocks,
                                              int num_kv_heads, int head_dim, int block_size, int kv_format,
-                                             int sparse, int window, float scale) {
+                                             int sparse, int window, int q_stride, float scale) {
     PREFILL_SHARED
     DISPATCH_FORMAT(float, PREFILL)
 }
@@ -159,7 +160,7 @@ extern "C" __global__ void paged_prefill_f16(__half* __restrict__ out, const __h
                                              const int* __restrict__ query_start_loc,
                                              const long long* __restrict__ tiles, int max_blocks,
                                              int num_kv_heads, int head_dim, int block_size, int kv_format,
-                                             int sparse, int window, float scale) {
+                                             int sparse, int window, int q_stride, float scale) {
     PREFILL_SHARED
     DISPATCH_FORMAT(__half, PREFILL)
 }
@@ -173,7 +174,7 @@ extern "C" __global__ void paged_prefill_bf16(__nv_bfloat16* __restrict__ out, c
                                               const int* __restrict__ query_start_loc,
                                               const long long* __restrict__ tiles, int max_blocks,
                                               int num_kv_heads, int head_dim, int block_size, int kv_format,
-                                              int sparse, int window, float scale) {
+                                              int sparse, int window, int q_stride, float scale) {
     PREFILL_SHARED
     DISPATCH_FORMAT(__nv_bfloat16, PREFILL)
 }

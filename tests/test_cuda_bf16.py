@@ -127,7 +127,7 @@ def test_write_kv_and_the_fused_kernels_in_bfloat16(ops):
     heads, positions = bf16(rng, (7, 3, 16)), rng.integers(0, 100, size=7)
     angles = np.outer(np.arange(128), 1.0 / 10000 ** (np.arange(0, 16, 2) / 16))
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    assert_rounded_once(ops.rotary(heads, positions, cos, sin),
+    assert_rounded_once(ops.rotary(heads.copy(), positions, cos, sin),   # rotates in place
                         spec.rotary(heads.astype(np.float32), positions, cos, sin))
     # a linear layer: bf16 in, float32 accumulation, bf16 out (cuBLAS gemmEx on a GPU)
     a, b = bf16(rng, (5, 40)), bf16(rng, (24, 40))

@@ -130,3 +130,51 @@ def test_one_thread_block_per_kv_head_and_split_k_scratch_once_a_step(ops, monke
     assert [grid for grid, _ in decodes] == [(3, 2, plan.num_partitions)] * 2
     first, second = (args[1:4] for _, args in decodes)
     assert all(a is b for a, b in zip(first, second))
+
+
+def test_q_k_and_v_are_read_where_they_lie_in_the_fused_projection(ops):
+    """q, k, v as the model cuts them from the (T, q + 2kv) projection: rotary turns q and k in
+    place (no copy), the KV write and both attention kernels read the rows a stride apart, and
+    every result equals the spec's on contiguous copies."""
+    rng = np.random.default_rng(21)
+    heads, kv_heads, dim, block = 6, 2, 64, 8
+    seqs = [(1, 30), (7, 19)]                       # a decode and a chunk: both attention kernels
+    qkv = rng.standard_normal((8, (heads + 2 * kv_heads) * dim)).astype(np.float32)   # (T, q + 2kv)
+    q = qkv[:, :heads * dim].reshape(8, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].reshape(8, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].reshape(8, kv_heads, dim)
+    positions = np.array([29] + list(range(12, 19)))
+    angles = np.outer(np.arange(64), 1.0 / 10000 ** (np.arange(0, dim, 2) / dim))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    want_q, want_k = spec.rotary(q.copy(), positions, cos, sin), spec.rotary(k.copy(), positions, cos, sin)
+    rq, rk = ops.rotary(q, positions, cos, sin), ops.rotary(k, positions, cos, sin)
+    assert np.shares_memory(rq, qkv) and np.shares_memory(rk, qkv)        # rotated where they lie
+    np.testing.assert_allclose(rq, want_q, atol=1e-5)
+    np.testing.assert_allclose(rk, want_k, atol=1e-5)
+    _, k_cache, v_cache, meta = random_batch(rng, block_size=block, num_heads=heads, num_kv_heads=kv_heads,
+                                             head_dim=dim, seqs=seqs)
+    slots = np.concatenate([meta.block_tables[0, 29 // block:29 // block + 1] * block + 29 % block,
+                            meta.block_tables[1, np.arange(12, 19) // block] * block + np.arange(12, 19) % block])
+    want_k_cache, want_v_cache = k_cache.copy(), v_cache.copy()
+    spec.write_kv(want_k_cache, want_v_cache, np.ascontiguousarray(rk), np.ascontiguousarray(v), slots)
+    ops.write_kv(k_cache, v_cache, rk, v, slots)
+    np.testing.assert_array_equal(k_cache, want_k_cache)
+    np.testing.assert_array_equal(v_cache, want_v_cache)
+    got = ops.paged_attention(rq, k_cache, v_cache, meta, 0.2)
+    np.testing.assert_allclose(got, spec_decode(np.ascontiguousarray(rq), k_cache, v_cache, meta, 0.2),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_a_prefill_step_is_planned_from_the_host_copy_of_its_query_starts(ops):
+    """On a GPU the step's metadata lives on the device; the prefill tiles are planned from the
+    host copy the model runner keeps (host_query_start_loc), never by reading the device's back."""
+    class DeviceArray:                      # what a CuPy array would be: reading it back is a sync
+        def get(self):
+            raise AssertionError("the device copy of query_start_loc was read back")
+
+    host = np.array([0, 20, 23], np.int32)
+    meta = AttentionMetadata(np.zeros(23, np.int64), DeviceArray(), np.array([20, 40], np.int32),
+                             np.zeros((2, 3), np.int32), 20, 40, host_query_start_loc=host)
+    plan = ops.plan_attention(meta)
+    assert not plan.decode_only
+    assert plan.tiles.tolist() == [[0, 0], [0, 16], [1, 20]]     # (sequence, first query row), 16 a tile

@@ -215,12 +215,12 @@ def test_a_shared_space_gives_the_same_block_count(parallel_model_dir):
 # ------------------------------------------------------------------ the real model
 @pytest.mark.slow
 def test_smollm2_same_as_one_worker():
-    """SmolLM2 (9 query heads, 3 KV heads, 30 layers): TP=3, PP=2 and both, under swap and
-    recompute preemption, prefix caching and copy-on-write samples."""
+    """SmolLM2 (9 query heads, 3 KV heads, 30 layers): TP=3 with PP=2, under swap and recompute
+    preemption, prefix caching and copy-on-write samples (TP alone and PP alone are checked on the
+    tiny models above, the same code with fewer layers)."""
     requests = workload("<|im_start|>user\nWhat is a page table? Answer briefly.", n=2)
     for mode in ("swap", "recompute"):
         common = dict(num_blocks=10, block_size=8, preemption_mode=mode, enable_prefix_caching=True)
         want = Run("smollm2-135m-instruct", requests, **common)
         assert want.stats["num_preemptions"] > 0 and want.stats["prefix_cache_hits"] > 0 and want.copies > 0
-        for split in (SPLITS[2], *(SPLITS[:2] if mode == "swap" else ())):
-            assert_same_run(Run("smollm2-135m-instruct", requests, **common, **split), want)
+        assert_same_run(Run("smollm2-135m-instruct", requests, **common, **SPLITS[2]), want)

@@ -172,8 +172,12 @@ decode_meta = AttentionMetadata(meta.slot_mapping[6:], np.array([0, 1], np.int32
 decode_plan = cuda_ops.plan_attention(decode_meta)
 print(f"  our mixed batch is not decode-only ({gpu_plan.decode_only}): paged_prefill, grid = "
       f"({len(gpu_plan.tiles)} tiles, {NUM_HEADS} heads), {cuda.NUM_WARPS * 32} threads per block")
-print(f"  D alone is decode-only ({decode_plan.decode_only}): paged_decode, grid = ({NUM_HEADS} heads, "
-      f"1 sequence, {decode_plan.num_partitions} partition)")
+# The decode kernel gives a thread block a KV head and the query heads of its GQA group: each
+# K and V row is read once for the whole group (decode_group_width: 1, 4 or 8 heads a block).
+width, chunks = cuda.decode_group_width(NUM_HEADS, NUM_KV_HEADS)
+print(f"  D alone is decode-only ({decode_plan.decode_only}): paged_decode, grid = ({NUM_KV_HEADS * chunks} "
+      f"KV heads, each serving {NUM_HEADS // NUM_KV_HEADS} query heads, 1 sequence, "
+      f"{decode_plan.num_partitions} partition)")
 assert not gpu_plan.decode_only and decode_plan.decode_only and decode_plan.num_partitions == 1
 
 print("\n11. Run the CUDA C source on the CPU (the harness: one OS thread per CUDA thread)")

@@ -129,7 +129,8 @@ class ModelRunner:
         return AttentionMetadata(
             slot_mapping=xp.asarray(m.slot_mapping), query_start_loc=xp.asarray(m.query_start_loc),
             seq_lens=xp.asarray(m.seq_lens), block_tables=xp.asarray(m.block_tables),
-            max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
+            max_query_len=m.max_query_len, max_seq_len=m.max_seq_len,
+            host_query_start_loc=None if xp is np else np.asarray(m.query_start_loc))
 
     def execute(self, model_input: ModelInput | ForwardInput, kv_cache, layer_quant=None, layer_bounds=None):
         """Run one step of the whole model; returns the logits of ``logits_indices``, (N + M, vocab),

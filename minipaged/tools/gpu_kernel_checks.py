@@ -216,7 +216,8 @@ def _elementwise_rows(dev, rng, dtype, tokens: int, smoke: bool) -> list[dict]:
     angles = np.outer(np.arange(4096), 1.0 / 10000 ** (np.arange(0, 64, 2) / 64))
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     dh, dp, dc, ds = xp.asarray(heads), xp.asarray(positions), xp.asarray(cos), xp.asarray(sin)
-    row("rotary", ops.rotary(dh, dp, dc, ds), spec.rotary(heads.astype(np.float32), positions, cos, sin),
+    row("rotary", ops.rotary(xp.array(heads), dp, dc, ds),     # a copy: the kernel rotates in place
+        spec.rotary(heads.astype(np.float32), positions, cos, sin),
         dev.time(lambda: ops.rotary(dh, dp, dc, ds), repeats), 2 * heads.nbytes)
     # write_kv: K/V to shuffled slots (a copy: bit for bit)
     k = normal(tokens, 3, 64)
