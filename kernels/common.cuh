@@ -140,14 +140,14 @@ __device__ __forceinline__ void load8(const void* cache, long long elem, int fmt
         default: load8_as<KV_FLOAT, T>(cache, elem, x, n, vector);
     }
 }
+// The scale of one stored token (int8: its own, at index `token` of the block's scales;
+// fp8: the layer's, scales[0]; a float cache: none): the format at run time, or (token_scale)
+// known when compiled.
 __device__ __forceinline__ float scale_of(int fmt, const float* scales, long long token) {
     return fmt == KV_INT8 ? scales[token] : (fmt == KV_FLOAT ? 1.f : scales[0]);
 }
-
-// The scale of one stored token (int8: its own, at index `token` of the block's scales;
-// fp8: the layer's, scales[0]; a float cache: none).
 template <int FMT> __device__ __forceinline__ float token_scale(const float* scales, long long token) {
-    return FMT == KV_INT8 ? scales[token] : (FMT == KV_FLOAT ? 1.f : scales[0]);
+    return scale_of(FMT, scales, token);
 }
 
 // A float as an fp8 byte: round to nearest even, saturating at the largest finite value.

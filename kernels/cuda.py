@@ -229,7 +229,7 @@ class CudaOps:
                 raise ValueError(f"split-K: partitions of {self.partition_size} positions do not hold whole "
                                  f"blocks of {block_size}")
             width, chunks = decode_group_width(num_heads, num_kv_heads)
-            scratch = self._split_k_scratch(plan, num_seqs, num_heads, parts, head_dim)
+            scratch = self._split_k_scratch(plan, num_seqs, num_heads, head_dim)
             self._launch("paged_decode", dtype, (num_kv_heads * chunks, num_seqs, parts), (NUM_WARPS * 32,),
                          [out, *scratch, q, k_cache, v_cache, k_scale, v_scale, chosen, tables, seq_lens,
                           np.int32(max_blocks), np.int32(num_heads), *common[1:],
@@ -245,11 +245,11 @@ class CudaOps:
                       *common, np.int32(fmt), np.int32(sparse), np.int32(window), q_stride, np.float32(scale)])
         return out
 
-    def _split_k_scratch(self, plan: CudaAttentionPlan, num_seqs, num_heads, parts, head_dim) -> list:
+    def _split_k_scratch(self, plan: CudaAttentionPlan, num_seqs, num_heads, head_dim) -> list:
         """The split-K partials (S, heads, parts, head_dim) and their max and sum (S, heads, parts),
         allocated once a step, at the first layer that needs them, and reused by every other (a
         layer with a window may launch fewer partitions: it uses the front of the same memory)."""
-        parts = max(parts, plan.num_partitions)
+        parts = plan.num_partitions
         key = (num_seqs, num_heads, parts, head_dim)
         if plan.scratch.get("key") != key:
             xp = self.xp

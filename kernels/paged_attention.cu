@@ -77,8 +77,8 @@ __device__ void paged_decode(T* __restrict__ out, float* __restrict__ part_out,
     float qv[GROUP][VEC], acc[GROUP][VEC], m[GROUP], l[GROUP];
     for (int g = 0; g < GROUP; ++g) {
         float x[VEC];
-        const T* q_row = q + (long long)seq * q_stride + (head0 + min(g, heads - 1)) * head_dim + d0;
-        if (vector && q_stride % VEC == 0 && n == VEC) widen8<KV_FLOAT>(q_row, x); else widen_n<KV_FLOAT>(q_row, x, n);
+        const long long q_row = (long long)seq * q_stride + (head0 + min(g, heads - 1)) * head_dim + d0;
+        load8_as<KV_FLOAT, T>(q, q_row, x, n, vector && q_stride % VEC == 0);
         for (int i = 0; i < VEC; ++i) {
             qv[g][i] = x[i] * scale;
             acc[g][i] = 0.f;

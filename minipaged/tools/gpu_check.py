@@ -303,7 +303,7 @@ def main(argv=None) -> int:
 # background); those that need the device (or, smoke, the CPU harness)
 SECTIONS = ("versions", "warm_cpu", "device", "attention", "other_kernels", "block_copies", "models",
             "end_to_end", "parallel")
-DEVICE_SECTIONS = ("device", "attention", "other_kernels", "block_copies", "models", "end_to_end", "parallel")
+DEVICE_SECTIONS = SECTIONS[2:]
 
 
 if __name__ == "__main__":

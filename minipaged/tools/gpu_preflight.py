@@ -6,15 +6,17 @@ minipaged.tools.gpu_check --preflight`` and ``--section versions`` / ``warm_cpu`
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 
 def preflight(smoke: bool) -> int:
     """Fail in seconds, and say why, if the kernels cannot compile or Numba CUDA cannot launch."""
-    import os  # noqa: PLC0415
-
     failures = []
     try:
         from ..kernels.cuda import cuda_include_dirs, kernel_sources  # noqa: PLC0415
@@ -57,11 +59,6 @@ def preflight(smoke: bool) -> int:
 def versions() -> dict:
     """What the machine has, before anything runs: Python, the libraries (by their installed
     metadata, so a broken one cannot stop this), this checkout's commit, CUDA's versions."""
-    import os  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-    from importlib import metadata  # noqa: PLC0415
-
     out: dict = {"python": sys.version.split()[0], "platform": platform.platform(),
                  "cpu": platform.processor() or platform.machine()}
     for dist in VERSIONED:
