@@ -27,8 +27,8 @@ from .engine.llm_engine import LLMEngine
 from .engine.input_processor import RequestError
 from .engine.parallel.worker import WorkerError
 from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import OutputKind, SamplingParams
+from .sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "SamplingParams", "OutputKind", "RequestOutput",
-           "CompletionOutput", "RequestError", "WorkerError", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "SamplingParams", "StructuredOutputsParams", "OutputKind",
+           "RequestOutput", "CompletionOutput", "RequestError", "WorkerError", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"

@@ -30,3 +30,6 @@ class RequestOutput:
     # if SamplingParams.prompt_logprobs: per prompt token {token id: logprob} (the top k and the
     # token itself, given the tokens before it); the first token, which has no context, gets None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # prompt tokens the prefix cache already held when the request was admitted (vLLM's name;
+    # with a cache_salt, only blocks cached under the same salt count); None before admission
+    num_cached_tokens: int | None = None

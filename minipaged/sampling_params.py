@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 import numbers
@@ -82,6 +83,69 @@ def wrong_type(name: str, value, expected: str) -> str:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's StructuredOutputsParams): exactly one of
+
+    - ``json``: a JSON Schema (a dict, or its JSON text) the output must satisfy;
+    - ``regex``: a regular expression the whole output must match;
+    - ``choice``: a list of strings, one of which the output is;
+    - ``grammar``: a context-free grammar, in Lark or GBNF syntax;
+    - ``json_object=True``: any JSON object.
+
+    ``disable_any_whitespace`` (vLLM's name): JSON comes compact, ``{"a": 1, "b": [2, 3]}``,
+    with no whitespace but one space after each comma and colon. The default here is True,
+    where vLLM's is False: with whitespace allowed anywhere, SmolLM2 wandered into runs of
+    newlines and spaces and ran out of tokens more often (docs/structured_outputs.md).
+
+    Only the shape is checked here; whether the grammar library can compile the schema,
+    regex or grammar is checked at add_request (engine/structured_output.py), so a bad one
+    is refused before it is queued.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+    FIELDS = KINDS + ("disable_any_whitespace",)
+
+    def __post_init__(self) -> None:
+        def bad(message: str) -> None:
+            raise ValueError(f"invalid structured_outputs: {message}")
+
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            bad(f"give exactly one of {', '.join(self.KINDS)}; got "
+                f"{', '.join(given) if given else 'none'}" + (" (they would conflict)" if given else ""))
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            bad(f"json must be a JSON Schema (a dict or its JSON text), got {shown(self.json)}")
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", copy.deepcopy(self.json))   # the caller's may change later
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                bad(f"{name} must be a non-empty string, got {shown(value)}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or any(not isinstance(c, str) or not c for c in self.choice)):
+                bad(f"choice must be a non-empty list of non-empty strings, got {shown(self.choice)}")
+            object.__setattr__(self, "choice", list(self.choice))
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and as_flag(value) is None:
+                bad(wrong_type(name, value, "True or False"))
+        object.__setattr__(self, "disable_any_whitespace", bool(self.disable_any_whitespace))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of KINDS."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request wants its tokens chosen and when to stop.
 
@@ -114,6 +178,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    # the output must follow a JSON Schema, regex, choice or grammar (docs/structured_outputs.md)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def bad(message: str) -> None:
@@ -182,6 +248,11 @@ class SamplingParams:
             bad("stop strings need detokenize=True (they are matched in the text)")
         if not isinstance(self.output_kind, OutputKind):
             bad(f"output_kind must be an OutputKind, got {shown(self.output_kind)}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            hint = " (build one: StructuredOutputsParams(json=...))" if isinstance(self.structured_outputs, dict) else ""
+            bad(f"structured_outputs must be a StructuredOutputsParams or None, got "
+                f"{type(self.structured_outputs).__name__}{hint}")
 
     def _checked_logit_bias(self, bad) -> dict[int, float] | None:
         """logit_bias as a new {int: float} dict (the caller's may change later), or None.

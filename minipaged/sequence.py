@@ -58,6 +58,12 @@ class Sequence:
     # with a draft model: positions whose K/V are in the draft model's pool (its own page
     # fill; the blocks are the ones this sequence's table maps, in the draft's pool)
     draft_num_computed_tokens: int = 0
+    # structured outputs: this sequence's place in its request's grammar (engine/structured_output.py
+    # Grammar), advanced by each token it keeps; None when the request asked for no constraint
+    grammar: Any = None
+    # prefix caching: mixed into the name of its first block, so only requests with the same
+    # salt share cached blocks (one tenant cannot time another's prefix); None: no salt
+    cache_salt: str | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -109,6 +115,8 @@ class SequenceGroup:
     beam: Any = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # prompt tokens found in the prefix cache when it was first admitted (None until then)
+    num_cached_tokens: int | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -177,3 +177,27 @@ def test_model_dir_renders_like_transformers(tmp_path):
     tok = Tokenizer.from_dir(d)
     for case in (c for c in RENDERED if c["family"] == "llama3.1"):
         assert tok.apply_chat_template(case["messages"], **case["kwargs"]) == case["text"], case["id"]
+
+
+@pytest.mark.parametrize("case", [c for c in RENDERED if "tool" in c["id"]], ids=lambda c: c["id"])
+def test_openai_shaped_tool_turns_render_like_transformers(case):
+    """A tool conversation as an OpenAI client sends it (a call's arguments as JSON text, an
+    assistant turn that only calls tools with content null) renders, through the server's
+    request model, exactly as transformers rendered the same turns (arguments as an object)."""
+    from minipaged.entrypoints.openai_protocol import ChatCompletionRequest
+
+    messages = []
+    for m in case["messages"]:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**call, "function": {**call["function"],
+                                                     "arguments": json.dumps(call["function"]["arguments"])}}
+                               for call in m["tool_calls"]]
+            if m.get("content") == "":
+                m["content"] = None          # what the openai client sends for a call-only turn
+        messages.append(m)
+    request = ChatCompletionRequest(model="m", messages=messages, tools=case["kwargs"].get("tools"))
+    kwargs = {k: v for k, v in case["kwargs"].items() if k != "tools"}
+    tools = {"tools": request.tools} if request.tools is not None else {}
+    text = family_tokenizer(case["family"]).apply_chat_template(request.conversation(), **kwargs, **tools)
+    assert text == case["text"]

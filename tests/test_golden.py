@@ -71,3 +71,30 @@ def test_batched_with_small_blocks_and_preemption(golden):
     for case, out in zip(cases, outputs):
         check_against_golden(case, out.outputs[0].token_ids)
     assert llm.get_stats()["num_preemptions"] > 0
+
+
+def test_smollm2_answers_in_the_asked_json_shape(smollm2):
+    """The real model, sampled, under a JSON Schema and a regex: every answer is complete and
+    valid by jsonschema and re (structured outputs, docs/structured_outputs.md)."""
+    import json
+    import re
+
+    import jsonschema
+
+    from minipaged.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "country", "population"], "additionalProperties": False}
+    asks = [([{"role": "user", "content": "Name a large city, its country and population, as JSON."}],
+             StructuredOutputsParams(json=schema)),
+            ([{"role": "user", "content": "What time is it? Answer as HH:MM."}],
+             StructuredOutputsParams(regex=r"([01][0-9]|2[0-3]):[0-5][0-9]"))]
+    for messages, constraint in asks:
+        params = SamplingParams(n=4, temperature=0.8, seed=3, max_tokens=120, structured_outputs=constraint)
+        for c in smollm2.chat(messages, params, use_tqdm=False)[0].outputs:
+            assert c.finish_reason == "stop", c.text
+            if constraint.json is not None:
+                jsonschema.validate(json.loads(c.text), schema)
+            else:
+                assert re.fullmatch(constraint.regex, c.text)

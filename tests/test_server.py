@@ -206,7 +206,7 @@ def test_malformed_body_and_the_server_still_serves(server, client):
     hi = [{"role": "user", "content": "hi"}]
     for extra, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 10**4},
                                                                 "top_logprobs"),
-                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice")):
         r = httpx.post(f"{server.url}/chat/completions", json={"model": MODEL, "messages": hi, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
     r = httpx.post(f"{server.url}/chat/completions", json={"model": MODEL, "messages": [{"role": "user"}]})

@@ -260,6 +260,16 @@ def test_t23_sliding_window_paging():
     assert "may free nothing: sliding_window for paging = 0" in out and "80 tokens held 20 blocks" in out
 
 
+@pytest.mark.slow
+def test_t24_structured_outputs():
+    out = run_tutorial("24_structured_outputs.py")
+    assert "step 0:      1 of 49152 tokens allowed" in out               # '{' is the only way to start
+    assert "json   -> '{" in out and "finish_reason=stop" in out
+    assert "the choice ended the request itself: 1 token(s), no end-of-sequence token" in out
+    assert "-> call get_weather(" in out or "-> call add(" in out
+    assert "tenant-b:   0 of" in out and "JSON / free =" in out
+
+
 def test_t17_demand_paging():
     out = run_tutorial("17_demand_paging.py")
     assert "gives up 1 block(s)" in out and "(present bits " in out and "0)" in out

@@ -16,6 +16,8 @@
     model_runner.py      loads the page-table base registers: one step flattened into arrays
                          and AttentionMetadata, then the model's forward pass
     sampler.py           next tokens: greedy, temperature, top-k / top-p / min-p, seeds, logprobs
+    structured_output.py a grammar per sequence (JSON Schema, regex, choice, CFG through llguidance)
+                         and the batch's token masks: the protection bits checked on every token
     beam_search.py       beams as forked processes: proposals, ranking, fork the survivors, free the rest
     detokenizer.py       incremental detokenization: text grows token by token
     output_processor.py  stop rules and RequestOutputs (the system call's return values)

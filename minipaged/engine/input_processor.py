@@ -20,6 +20,7 @@ from ..sampling_params import OutputKind, SamplingParams, as_int, shown
 from ..sequence import Sequence, SequenceGroup
 from .beam_search import BeamSearchParams, BeamState
 from .detokenizer import start_offsets
+from .structured_output import GrammarCompiler
 
 
 class RequestError(ValueError):
@@ -46,13 +47,16 @@ class PromptInput:
 
     token_ids: list[int]
     text: str | None
+    cache_salt: str | None = None   # the prompt dict's "cache_salt" (prefix caching per tenant)
 
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  block_manager: BlockManager, kv_allocator: str, max_logprobs: int = 20,
-                 max_num_seqs: int | None = None, block_copy_problem: str | None = None) -> None:
+                 max_num_seqs: int | None = None, block_copy_problem: str | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.tokenizer = tokenizer
+        self.grammars = grammars   # compiles structured_outputs constraints (None: they are refused)
         self.block_copy_problem = block_copy_problem   # why blocks cannot be copied (no Numba CUDA), or None
         self.max_num_seqs = max_num_seqs     # the scheduler runs at most this many sequences at once
         self.vocab_size = vocab_size
@@ -82,8 +86,13 @@ class InputProcessor:
         """Accept a str, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
 
         Token ids may be numpy integers (they become Python ints); a bool is not a token id.
+        A dict may also carry ``"cache_salt"``: a non-empty string (vLLM's name).
         """
+        salt = None
         if isinstance(prompt, dict):
+            salt = prompt.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise RequestError(f"cache_salt must be a non-empty string, got {shown(salt)}")
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
                 if not isinstance(prompt, (list, tuple)):
@@ -100,14 +109,14 @@ class InputProcessor:
             problem = unicode_problem(prompt)
             if problem is not None:
                 raise RequestError(f"the prompt is not valid Unicode text: {problem}")
-            return PromptInput(self.tokenizer.encode(prompt, add_special_tokens=True), prompt)
+            return PromptInput(self.tokenizer.encode(prompt, add_special_tokens=True), prompt, salt)
         if isinstance(prompt, (list, tuple)):
             ids = [as_int(t) for t in prompt]
             for i, t in enumerate(ids):
                 if t is None:
                     raise RequestError(f"a token-id prompt must hold only ints, got {shown(prompt[i])} "
                                        f"({type(prompt[i]).__name__}) at index {i}")
-            return PromptInput(ids, None)
+            return PromptInput(ids, None, salt)
         raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def make_group(self, request_id: str, prompt, params: SamplingParams | None,
@@ -148,10 +157,26 @@ class InputProcessor:
                                f"{self.max_num_seqs} (raise max_num_seqs or lower n / beam_width)")
         params = self._clamp_max_tokens(len(ids), params)
         self._check_fits(ids, params)
-        seqs = [Sequence(next(seq_ids), list(ids)) for _ in range(params.n)]
+        grammars = self._grammars(params, request_id)
+        seqs = [Sequence(next(seq_ids), list(ids), cache_salt=p.cache_salt, grammar=next(grammars, None))
+                for _ in range(params.n)]
         for seq in seqs:
             start_offsets(seq)
         return SequenceGroup(request_id, seqs, params, prompt=p.text)
+
+    def _grammars(self, params: SamplingParams, request_id: str) -> Iterator:
+        """One matcher per sample of a constrained request (each walks the grammar on its own);
+        a schema, regex or grammar the library cannot compile is a RequestError now."""
+        spec = params.structured_outputs
+        if spec is None:
+            return iter(())
+        if self.grammars is None:
+            raise RequestError("structured_outputs are not available in this engine")
+        try:
+            grammar = self.grammars.compile(spec)
+            return iter([self.grammars.matcher(grammar) for _ in range(params.n)])
+        except ValueError as err:
+            raise RequestError(f"structured_outputs: {err}") from None
 
     def make_beam_group(self, request_id: str, prompt, params: BeamSearchParams,
                         seq_ids: Iterator[int]) -> SequenceGroup:

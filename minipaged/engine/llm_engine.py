@@ -44,6 +44,7 @@ from .model_runner import build_model_input
 from .output_processor import OutputProcessor
 from .sampler import Sampler, SampleRequest, log_softmax, to_host
 from .spec_decode.decoder import SpeculativeDecoder
+from .structured_output import GrammarCompiler
 
 logger = logging.getLogger("minipaged")
 
@@ -105,8 +106,7 @@ class LLMEngine:
         if not (isinstance(log_stats_interval, (int, float)) and log_stats_interval >= 0):
             raise ConfigError(f"log_stats_interval must be a number of seconds >= 0 (0: never), "
                               f"got {log_stats_interval!r}")
-        model_dir = resolve_model(self.config.model)
-        self.model_dir = model_dir
+        self.model_dir = model_dir = resolve_model(self.config.model)
         self.model_config = LlamaConfig.from_dir(model_dir)
         c = self.model_config   # the split is checked against config.json, before any weight is read
         if any(c.layer_windows) and sparse_attention_budget is not None:
@@ -179,11 +179,12 @@ class LLMEngine:
         self.sampler = Sampler(self.backend.xp, getattr(self.backend.ops, "logsumexp", None))
         eos = set(self.tokenizer.stop_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos)   # structured outputs
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.max_model_len, self.block_manager, kv_allocator,
                                               max_logprobs=self.config.max_logprobs,
                                               max_num_seqs=self.scheduler_config.max_num_seqs,
-                                              block_copy_problem=copy_problem)
+                                              block_copy_problem=copy_problem, grammars=self.grammars)
         self.metrics = Metrics()
         self.spec = (SpeculativeDecoder(self.speculative_config, self.max_model_len, self.draft)
                      if self.speculative_config is not None else None)
@@ -305,20 +306,20 @@ class LLMEngine:
         # seq_id -> a draft model's distributions (k, V): it fills in the drafts' tokens now
         draft_probs = (self.spec.fill_drafts(items, tables, self.block_manager.block_size, self.sampler,
                                              self.generators, banned_of) if self.spec is not None else {})
-        prompt_from = {}   # request -> first prompt position still needing logits (prompt_logprobs)
-        for item in items:
-            start = self.output_processor.prompt_logprobs_from(item.group) if item.is_prefill else None
-            if start is not None:
-                prompt_from[item.group.request_id] = start
+        # request -> the first prompt position still needing logits (prompt_logprobs)
+        prompt_from = {i.group.request_id: start for i in items if i.is_prefill
+                       and (start := self.output_processor.prompt_logprobs_from(i.group)) is not None}
         model_input = build_model_input(items, tables, self.block_manager.block_size, prompt_from)
         logits = self.executor.execute_model(model_input.forward_input())   # (N + V + M, vocab)
         rows = list(range(len(model_input.sampled)))
         beam_rows = [r for r in rows if model_input.sampled[r][0].group.beam is not None]
         sample_rows = [r for r in rows if model_input.sampled[r][0].group.beam is None]
+        sampled = [model_input.sampled[r] for r in sample_rows]
+        masks = self.grammars.masks_for([seq.grammar for _, seq in sampled])   # structured outputs
         requests = [SampleRequest(item.group.sampling_params, self.generators[seq.seq_id],
                                   self.output_processor.banned_tokens(item.group, seq),
-                                  seq.prompt_token_ids, seq.output_token_ids)
-                    for item, seq in (model_input.sampled[r] for r in sample_rows)]
+                                  seq.prompt_token_ids, seq.output_token_ids, mask)
+                    for (item, seq), mask in zip(sampled, masks)]
         # the sampled rows come first: all of them (no beams) are a view, not a gathered copy
         sampled_logits = logits[:len(rows)] if len(sample_rows) == len(rows) else logits[sample_rows]
         results = self.sampler(sampled_logits, requests)
@@ -344,7 +345,7 @@ class LLMEngine:
             for follower in item.followers:   # they share the prompt's blocks: same progress
                 follower.num_computed_tokens = item.seq.num_computed_tokens
         now = time.monotonic()
-        for (item, seq), result in zip((model_input.sampled[r] for r in sample_rows), results):
+        for (item, seq), result in zip(sampled, results):
             self.output_processor.append(item.group, seq, result)
             touched[item.group.request_id] = item.group
         num_emitted = (self.spec.commit(verdicts, self.output_processor.append, self.block_manager, touched)

@@ -9,12 +9,16 @@ carries them all (a DELTA stream: once, in its first report).
 
 from __future__ import annotations
 
+import logging
+
 from .beam_search import Hypothesis, best_sequences
 from .detokenizer import detokenize_new_tokens
 from ..outputs import CompletionOutput, RequestOutput
 from .sampler import SampleResult
 from ..sampling_params import OutputKind
 from ..sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger("minipaged")
 
 
 class OutputProcessor:
@@ -59,6 +63,7 @@ class OutputProcessor:
         seq.append_token(token, result.logprob)
         if params.logprobs is not None:
             seq.logprobs.append(result.top_logprobs)
+        grammar_done = seq.grammar is not None and self._advance_grammar(group, seq, token)
 
         status, stop_reason = None, None
         may_stop = seq.num_output_tokens >= params.min_tokens
@@ -74,6 +79,8 @@ class OutputProcessor:
                 stop_reason = self._truncate_at_stop_string(seq, params, old_len)
                 if stop_reason is not None:
                     status = SequenceStatus.FINISHED_STOPPED
+        if status is None and grammar_done:
+            status = SequenceStatus.FINISHED_STOPPED      # the grammar is complete: nothing may follow
         if status is None and (seq.num_output_tokens >= params.max_tokens
                                or seq.num_tokens >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
@@ -86,6 +93,20 @@ class OutputProcessor:
                 seq.output_text += detokenize_new_tokens(
                     self.tokenizer, seq, params.skip_special_tokens, final=True,
                     exclude_last=stop_token and not params.include_stop_str_in_output)
+
+    @staticmethod
+    def _advance_grammar(group: SequenceGroup, seq: Sequence, token: int) -> bool:
+        """Structured outputs: move the sequence's grammar past ``token``; True if the grammar
+        can take nothing more (the sequence ends with finish_reason "stop")."""
+        grammar = seq.grammar
+        if grammar.is_finished:
+            return True
+        if not grammar.accept(token):
+            # the mask let through only what the grammar accepts: a bug here, not the user's input
+            logger.error("request %s: token %d broke its grammar (%s); the sequence stops here",
+                         group.request_id, token, grammar.error)
+            return True
+        return grammar.is_finished
 
     @staticmethod
     def _truncate_at_stop_string(seq: Sequence, params, old_len: int) -> str | None:
@@ -113,7 +134,8 @@ class OutputProcessor:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, True,
                              metrics={"arrival_time": group.arrival_time,
                                       "first_token_time": group.first_token_time,
-                                      "finished_time": group.finished_time})
+                                      "finished_time": group.finished_time},
+                             num_cached_tokens=group.num_cached_tokens)
 
     def forget(self, group: SequenceGroup) -> None:
         """Drop what was reported for a finished or aborted request."""
@@ -178,4 +200,4 @@ class OutputProcessor:
             prompt_token_ids=group.prompt_token_ids, outputs=completions, finished=finished,
             metrics={"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
                      "finished_time": group.finished_time},
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, num_cached_tokens=group.num_cached_tokens)

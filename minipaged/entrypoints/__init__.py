@@ -12,6 +12,8 @@
     http_limits.py      limits before work: request body size, header-read and keep-alive timeouts,
                         concurrent connections (the gate's rlimits)
     openai_protocol.py  OpenAI's request shapes (pydantic) and the SamplingParams they become
+    tool_calls.py       function calling: tools and a named or "required" tool_choice as a grammar,
+                        the constrained answer as tool_calls
     prometheus.py       ``GET /metrics``: the engine's counters under vLLM's Prometheus names
 
 The Python API's front door is ``minipaged.LLM`` (engine/llm.py). Entry points call the

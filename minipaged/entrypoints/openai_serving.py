@@ -51,11 +51,19 @@ class OpenAIServing:
     def check_fields(request: SamplingFields) -> None:
         """Fields that would change the answer's meaning but that this server does not do: a 400,
         not an answer to another question."""
-        for name in ("suffix", "tools", "tool_choice", "response_format", "functions"):
-            if getattr(request, name, None) not in (None, "none"):
-                raise APIError(400, f"{name} is not supported by this server", param=name)
+        for name in ("suffix", "functions"):
+            if getattr(request, name, None) is not None:
+                hint = "; use tools" if name == "functions" else ""
+                raise APIError(400, f"{name} is not supported by this server{hint}", param=name)
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options can only be given with stream=true", param="stream_options")
+
+    @staticmethod
+    def constraint_field(request: SamplingFields, tool_mode: str | None = None) -> str:
+        """The request field a constraint came from, to name it in an error."""
+        if tool_mode not in (None, "none"):
+            return "tools"
+        return "response_format" if request.response_format is not None else "structured_outputs"
 
     def sampling_params(self, request: SamplingFields, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None):
@@ -88,8 +96,10 @@ class OpenAIServing:
             if isinstance(err, RequestError):
                 message = str(err)
                 param = field_of(message, ("logit_bias", "stop_token_ids", "prompt_logprobs", "logprobs",
-                                           "max_tokens", "n")) or ("prompt" if "prompt" in message
-                                                                   or "token id" in message else None)
+                                           "max_tokens", "n", "structured_outputs", "cache_salt")) or (
+                    "prompt" if "prompt" in message or "token id" in message else None)
+                if param in rename and message.startswith(f"{param}:"):   # named as the request named it
+                    message = rename[param] + message[len(param):]
                 raise APIError(400, message, param=rename.get(param, param)) from None
             if isinstance(err, (ValueError, TypeError)):
                 raise APIError(400, str(err)) from None
@@ -114,12 +124,14 @@ class OpenAIServing:
         return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
 
 
-    def conversation_ids(self, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
-        """The token ids of a conversation rendered by the chat template; one too long to fit is
+    def conversation_ids(self, conversation: list[dict], add_generation_prompt: bool, tools=None) -> list[int]:
+        """The token ids of a conversation rendered by the chat template (with the ``tools`` the
+        model may call, where the template shows them); one too long to fit is
         refused by its characters once rendered (a template may trim or drop messages, so the
         messages alone say nothing; the body limit bounds the rendering), before it is
         tokenized: a RequestError (a ValueError). Run it off the event loop."""
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        extra = {} if tools is None else {"tools": tools}
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, **extra)
         self.input_processor.check_prompt_chars(len(text), "the conversation, rendered by the chat template,")
         return self.tokenizer.encode(text, add_special_tokens=False)   # the template wrote them as text
 
@@ -238,6 +250,11 @@ async def merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
             await stream.aclose()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; with ``cached_tokens`` (prompt tokens the prefix cache held) its
+    prompt_tokens_details too."""
+    counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+              "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counts

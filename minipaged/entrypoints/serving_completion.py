@@ -32,8 +32,9 @@ class ServingCompletion(OpenAIServing):
                                       request.logprobs,
                                       request.logprobs if request.echo and request.logprobs is not None else None)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.open_streams(prompts, params, request_id,
-                                          strict_max_tokens=request.max_tokens is not None)
+        streams = await self.open_streams([request.prompt_input(p) for p in prompts], params, request_id,
+                                          strict_max_tokens=request.max_tokens is not None,
+                                          rename={"structured_outputs": self.constraint_field(request)})
         if request.stream:
             return self.sse(self.completion_chunks(request, streams, request_id))
         outputs = await self.collect(streams, raw)
@@ -53,14 +54,15 @@ class ServingCompletion(OpenAIServing):
                                 "stop_reason": c.stop_reason,
                                 "prompt_logprobs": self.vllm_prompt_logprobs(out) if c.index == 0 else None})
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        cached = sum(o.num_cached_tokens or 0 for o in outputs)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached)}
 
     async def completion_chunks(self, request: CompletionRequest, streams: list,
                                 request_id: str) -> AsyncIterator[dict]:
         created = int(time.time())
-        prompt_tokens, completion_tokens = 0, 0
+        prompt_tokens, completion_tokens, cached = 0, 0, {}
         with_usage = {"usage": None} if request.include_usage else {}   # OpenAI: null until the last chunk
 
         def chunk(index: int, text: str, finish_reason=None, logprobs=None, stop_reason=None) -> dict:
@@ -72,6 +74,7 @@ class ServingCompletion(OpenAIServing):
             echoed: set[int] = set()
             offsets: dict[int, int] = {}
             async for p, out in merged(streams):
+                cached[p] = out.num_cached_tokens or 0
                 if p not in echoed:
                     echoed.add(p)
                     prompt_tokens += len(out.prompt_token_ids)
@@ -93,7 +96,7 @@ class ServingCompletion(OpenAIServing):
                         yield chunk(index, c.text, c.finish_reason, logprobs, c.stop_reason)
             if request.include_usage:
                 yield {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+                       "choices": [], "usage": usage(prompt_tokens, completion_tokens, sum(cached.values()))}
         finally:
             for stream in streams:      # closed early (a client gone while we wrote): abort
                 await stream.aclose()

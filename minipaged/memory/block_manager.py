@@ -156,7 +156,7 @@ class BlockManager:
         size = self.block_size
         tokens = seq.token_ids
         hits = []
-        for i, name in enumerate(prompt_block_hashes(tokens, size, (len(tokens) - 1) // size)):
+        for i, name in enumerate(prompt_block_hashes(tokens, size, (len(tokens) - 1) // size, seq.cache_salt)):
             block = self.cache.lookup(name, tuple(tokens[i * size:(i + 1) * size]))
             if block is None:
                 break
@@ -194,6 +194,8 @@ class BlockManager:
                 self.cache.queries += seq.num_tokens
                 self.cache.hits += len(hits) * self.block_size
                 seq.num_computed_tokens = len(hits) * self.block_size
+            if group.num_cached_tokens is None:   # what its first admission found cached
+                group.num_cached_tokens = len(hits) * self.block_size
             self._grow(seq, seq.num_tokens)
         if share:
             for seq in seqs[1:]:
@@ -218,7 +220,7 @@ class BlockManager:
         while len(table.names) < full:
             i = len(table.names)
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            name = chain_hash(table.names[-1] if table.names else None, block_tokens)
+            name = chain_hash(table.names[-1] if table.names else None, block_tokens, seq.cache_salt)
             table.names.append(name)
             self.cache.register(table.block_ids[i], name, block_tokens)
 

@@ -17,16 +17,24 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Name of a full block: its parent's name and its token ids (Python's hash of ints is stable)."""
+def chain_hash(parent: int | None, tokens: tuple[int, ...], salt: str | None = None) -> int:
+    """Name of a full block: its parent's name and its token ids (Python's hash of ints is stable).
+
+    A first block (no parent) of a salted request mixes the salt in, so its whole chain of
+    names differs from every other salt's: requests share cached blocks only within a salt.
+    """
+    if parent is None and salt is not None:
+        return hash(("salt", salt, tokens))
     return hash((parent, tokens))
 
 
-def prompt_block_hashes(token_ids: list[int], block_size: int, num_blocks: int) -> list[int]:
-    """Chain hashes of the first ``num_blocks`` full blocks of a token list."""
+def prompt_block_hashes(token_ids: list[int], block_size: int, num_blocks: int,
+                        salt: str | None = None) -> list[int]:
+    """Chain hashes of the first ``num_blocks`` full blocks of a token list (``salt``: the
+    request's cache_salt, mixed into the first)."""
     hashes, parent = [], None
     for i in range(num_blocks):
-        parent = chain_hash(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        parent = chain_hash(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), salt)
         hashes.append(parent)
     return hashes
 

@@ -13,6 +13,8 @@
     sparse_quality.py  ``bench sparse``: passkey retrieval, greedy agreement and teacher-forced
                     log-likelihood under block-sparse decode budgets, against dense
     spec_bench.py   ``bench spec-decode``: speculation off, n-gram and adaptive side by side
+    structured_bench.py  ``bench structured``: free sampling against a JSON Schema, alternately, and
+                    the schema's compile time
     parallel_bench.py  ``bench parallel``: one worker against pipeline stages and tensor-parallel
                     ranks, in this process and as Ray actors: time per step, and where it goes
     gpu_check.py    ``python -m minipaged.gpu_check``: every CUDA kernel checked and timed on a GPU,

@@ -9,7 +9,8 @@ report.py, the Hugging Face peer in bench_peers.py, the HTTP clients of ``bench 
 bench_serve.py, the machine's limits and the steps against them (``bench roofline``) in
 roofline.py, the compressed KV cache's quality (``bench quality``) in quality.py, block-sparse
 attention's (``bench sparse``) in sparse_quality.py, speculative decoding's (``bench spec-decode``)
-in spec_bench.py, the parallel workers' (``bench parallel``) in parallel_bench.py.
+in spec_bench.py, the parallel workers' (``bench parallel``) in parallel_bench.py, structured
+outputs' cost (``bench structured``) in structured_bench.py.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .roofline import check_roofline_args, matmul_peak, read_bandwidth, run_roof
 from .sparse_quality import check_sparse_args, print_sparse, run_sparse
 from .parallel_bench import print_parallel_bench, run_parallel_bench
 from .spec_bench import print_spec_bench, run_spec_bench
+from .structured_bench import print_structured_bench, run_structured_bench
 from .workloads import PEER_WORKLOADS, WORKLOAD_ENGINE, WORKLOADS, BenchRequest, make_prompts, make_requests
 
 
@@ -64,9 +66,9 @@ def add_bench_parser(sub, add_engine_flags) -> None:
     p.add_argument("--compare-idle", action="store_true", default=None,
                    help="serve: also send the same prompts one at a time, for the TTFT against an idle server")
     p.add_argument("--repeats", type=int, default=None,
-                   help="serve: make the whole measurement this many times; ratios are the medians")
+                   help="serve, structured: make the whole measurement this many times; ratios are the medians")
     p.add_argument("--batch-sizes", default=None, metavar="B,B,...",
-                   help="roofline: decode batch sizes (default 1,2,4,8,16,32,64)")
+                   help="roofline: decode batch sizes (default 1,2,4,8,16,32,64); structured: 1,32")
     p.add_argument("--context-len", type=int, default=None, help="roofline: decode context, in tokens")
     p.add_argument("--prefill-lens", default=None, metavar="N,N,...",
                    help="roofline: prompt lengths of the prefill rows (default 256,2048; empty: none)")
@@ -105,7 +107,7 @@ def check_bench_args(args: argparse.Namespace, defaults: dict) -> None:
     if args.workload == "roofline":
         check_roofline_args({k: getattr(args, k) if getattr(args, k) is not None else v
                              for k, v in defaults.items()})
-    if args.workload == "serve":
+    if args.workload in ("serve", "structured"):
         for key in ("repeats", "num_prompts"):
             value = getattr(args, key)
             if value is not None and value < 1:
@@ -212,7 +214,8 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
     # the workloads that run their own engines and print their own table
     own = {"roofline": (run_roofline, print_roofline), "quality": (run_quality, print_quality),
            "sparse": (run_sparse, print_sparse), "spec-decode": (run_spec_bench, print_spec_bench),
-           "parallel": (run_parallel_bench, print_parallel_bench)}
+           "parallel": (run_parallel_bench, print_parallel_bench),
+           "structured": (run_structured_bench, print_structured_bench)}
     if args.workload in own:
         run, show = own[args.workload]
         report = {"workload": args.workload, "config": cfg, "engine": engine_kwargs,

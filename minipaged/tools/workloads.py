@@ -69,6 +69,10 @@ WORKLOADS = {
                  "stages as Ray actors, side by side: seconds per step on a single stream and on the first "
                  "NUM_PROMPTS requests of the throughput trace, and where a Ray step's time goes",
                  dict(num_prompts=16, min_prompt_len=32, max_prompt_len=256, output_len=64)),
+    "structured": ("the same prompts free and under a JSON Schema, alternately, at each of BATCH_SIZES: "
+                   "output tokens per second of each and their ratio (medians over REPEATS), and the "
+                   "time to compile the schema",
+                   dict(batch_sizes="1,32", min_prompt_len=32, max_prompt_len=128, output_len=64, repeats=3)),
 }
 
 # Engine settings a workload fixes unless the command line sets them.

@@ -132,6 +132,8 @@ class SpeculativeDecoder:
                 seq.draft_token_ids = [DRAFT_PLACEHOLDER] * max(min(k, room), 0)
                 continue
             guess = propose_ngram(seq.token_ids, max(k, 1), cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if seq.grammar is not None:   # structured outputs: only what the grammar would accept
+                guess = guess[:seq.grammar.valid_prefix(guess)]
             if k == 0 or room <= 0:
                 if guess:   # free to make: checked against what the model produces this step
                     record.shadow = (seq.num_output_tokens, guess[0])
@@ -200,9 +202,11 @@ class SpeculativeDecoder:
         (k, V): the draft model's distributions (None: one-hot n-gram drafts)."""
         params = group.sampling_params
         k = len(drafts)
-        # position i samples after the output and drafts[:i]: its own bans and penalties
+        # position i samples after the output and drafts[:i]: its own bans, penalties and grammar
+        # mask (the grammar's state after drafts[:i], read ahead and rolled back)
+        masks = seq.grammar.masks_ahead(drafts) if seq.grammar is not None else [None] * (k + 1)
         requests = [SampleRequest(params, generator, banned(i), seq.prompt_token_ids,
-                                  seq.output_token_ids + drafts[:i]) for i in range(k + 1)]
+                                  seq.output_token_ids + drafts[:i], masks[i]) for i in range(k + 1)]
         adjusted = sampler.adjust(logits, requests)             # (k + 1, V) float32
         if params.greedy:
             verdict: Verdict = verify_greedy(to_host(adjusted.argmax(axis=-1)), drafts)
