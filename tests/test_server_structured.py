@@ -105,11 +105,16 @@ def test_a_named_tool_call(client, temperature):
 def test_a_named_tool_call_streamed(client):
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Add 2 and 3."}], tools=TOOLS, seed=8, max_tokens=100,
-        tool_choice={"type": "function", "function": {"name": "add"}}, stream=True)
-    deltas = [c.choices[0].delta.tool_calls[0] for c in stream if c.choices and c.choices[0].delta.tool_calls]
-    assert deltas[0].id and deltas[0].function.name == "add"
-    assert all(d.id is None and d.function.name is None for d in deltas[1:])
-    jsonschema.validate(json.loads("".join(d.function.arguments for d in deltas)), ADD)
+        tool_choice={"type": "function", "function": {"name": "add"}}, stream=True, n=2,
+        stop=["\u0001"])         # a stop string holds text back: the first pieces arrive empty
+    deltas = {0: [], 1: []}
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.tool_calls:
+            deltas[chunk.choices[0].index].append(chunk.choices[0].delta.tool_calls[0])
+    for pieces in deltas.values():         # each choice: one header with the id and name, then pieces
+        assert pieces[0].id and pieces[0].function.name == "add"
+        assert all(d.id is None and d.function.name is None for d in pieces[1:])
+        jsonschema.validate(json.loads("".join(d.function.arguments for d in pieces)), ADD)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -151,6 +156,10 @@ def test_tool_choice_required(client, stream):
     ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", "unknown field 'regexp'"),
     ({"use_beam_search": True, "n": 2, "response_format": {"type": "json_object"}}, "response_format", "beam"),
     ({"cache_salt": ""}, "cache_salt", "non-empty string"),
+    ({"use_beam_search": True, "n": 2, "tools": TOOLS, "tool_choice": "required"}, "tool_choice", "beam"),
+    ({"guided_json": CITY}, "guided_json", 'structured_outputs: {"json"'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": True}}},
+     "response_format", "json_schema"),
 ])
 def test_bad_constraints_are_400s_and_the_next_request_is_served(server, client, body, param, words):
     r = httpx.post(f"{server.url}/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 5, **body},

@@ -64,7 +64,7 @@ def sparse_cases(draw):
     return block_size, num_kv_heads, group, seq_lens, keep, fmt, draw(st.integers(0, 2**31))
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)   # 50 cost 15 s more of CI time
 @given(sparse_cases())
 def test_sparse_decode_matches_spec(case):
     """Decoding heads attend to the blocks the spec chooses (shuffled tables, partial last

@@ -127,7 +127,16 @@ def test_greedy_choice_is_the_argmax_over_the_allowed_tokens(llm, reference):
         assert c.token_ids == want, (c.text, tok.decode(want))
 
 
-def test_masks_apply_as_the_numpy_oracle():
+class DeviceArrays:
+    """numpy under another name: the sampler then takes its device path (the packed words sent
+    and unpacked with shifts, as on a GPU with CuPy)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+@pytest.mark.parametrize("xp", [np, DeviceArrays()], ids=["host", "device-path"])
+def test_masks_apply_as_the_numpy_oracle(xp):
     """apply_grammar_masks on a (N, V) batch against a per-token loop over the bits."""
     rng = np.random.default_rng(0)
     n, vocab = 5, 70
@@ -139,7 +148,7 @@ def test_masks_apply_as_the_numpy_oracle():
     banned = logits.copy()
     banned[4, 36] = -np.inf                                # a ban hid all the grammar allows
     got = banned.copy()
-    apply_grammar_masks(got, logits, rows, bits)
+    apply_grammar_masks(got, logits, rows, bits, xp)
     want = banned.copy()
     for r, row in enumerate(rows):
         for t in range(vocab):
@@ -321,3 +330,38 @@ def test_cache_salt_through_the_engine(tiny_model_dir):
     for bad in ("", 5):
         with pytest.raises(RequestError, match="cache_salt must be a non-empty string"):
             llm.llm_engine.add_request("x", {"prompt_token_ids": prompt, "cache_salt": bad}, params)
+
+
+def test_beams_carry_the_salt(tiny_model_dir):
+    """A beam forked after the prompt keeps its request's salt (its first block may be named after the fork)."""
+    from minipaged import LLMEngine
+    from minipaged.engine.beam_search import BeamSearchParams
+
+    engine = LLMEngine(str(tiny_model_dir), device="cpu", num_blocks=128, block_size=4, swap_space=0.002,
+                       enable_prefix_caching=True)
+    engine.add_beam_request("b", {"prompt_token_ids": [5, 6], "cache_salt": "s"}, BeamSearchParams(3, 8))
+    salts = set()
+    while engine.has_unfinished_requests():
+        salts |= {seq.cache_salt for seq in engine.groups["b"].seqs} if "b" in engine.groups else set()
+        engine.step()
+    assert salts == {"s"}
+
+
+def test_a_broken_grammar_aborts_its_sequence(llm):
+    """If llguidance's matcher breaks (one of its limits), the sequence ends "abort", not "stop"."""
+    from minipaged.engine.output_processor import OutputProcessor
+    from minipaged.engine.sampler import SampleResult
+    from minipaged.sequence import SequenceStatus
+
+    class Broken:
+        error = None
+        is_finished = False
+
+        def accept(self, token):
+            self.error = "parser limit reached"
+            return False
+
+    seq = Sequence(0, [5, 6], grammar=Broken())
+    group = SequenceGroup("r", [seq], SamplingParams(max_tokens=10))
+    OutputProcessor(llm.get_tokenizer(), {2}, 64).append(group, seq, SampleResult(40, -1.0, None))
+    assert seq.status == SequenceStatus.FINISHED_ABORTED

@@ -156,7 +156,7 @@ def advance_beams(group: SequenceGroup, beams: list[Sequence], logprobs: np.ndar
             child = Sequence(new_seq_id(), list(parent.prompt_token_ids),
                              list(parent.output_token_ids), status=parent.status,
                              num_computed_tokens=parent.num_computed_tokens,
-                             cumulative_logprob=parent.cumulative_logprob)
+                             cumulative_logprob=parent.cumulative_logprob, cache_salt=parent.cache_salt)
             block_manager.fork(parent, child)
             child.append_token(p.token, p.logprob)
             new_beams[running.index(p)] = child

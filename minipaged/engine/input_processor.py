@@ -173,8 +173,8 @@ class InputProcessor:
         if self.grammars is None:
             raise RequestError("structured_outputs are not available in this engine")
         try:
-            grammar = self.grammars.compile(spec)
-            return iter([self.grammars.matcher(grammar) for _ in range(params.n)])
+            first = self.grammars.matcher(self.grammars.compile(spec))
+            return iter([first] + [first.copy() for _ in range(params.n - 1)])
         except ValueError as err:
             raise RequestError(f"structured_outputs: {err}") from None
 

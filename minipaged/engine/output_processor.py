@@ -63,7 +63,7 @@ class OutputProcessor:
         seq.append_token(token, result.logprob)
         if params.logprobs is not None:
             seq.logprobs.append(result.top_logprobs)
-        grammar_done = seq.grammar is not None and self._advance_grammar(group, seq, token)
+        grammar_end = self._advance_grammar(group, seq, token) if seq.grammar is not None else None
 
         status, stop_reason = None, None
         may_stop = seq.num_output_tokens >= params.min_tokens
@@ -79,8 +79,8 @@ class OutputProcessor:
                 stop_reason = self._truncate_at_stop_string(seq, params, old_len)
                 if stop_reason is not None:
                     status = SequenceStatus.FINISHED_STOPPED
-        if status is None and grammar_done:
-            status = SequenceStatus.FINISHED_STOPPED      # the grammar is complete: nothing may follow
+        if status is None and grammar_end is not None:
+            status = grammar_end      # complete: nothing may follow (or broken: the request ends)
         if status is None and (seq.num_output_tokens >= params.max_tokens
                                or seq.num_tokens >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
@@ -95,18 +95,18 @@ class OutputProcessor:
                     exclude_last=stop_token and not params.include_stop_str_in_output)
 
     @staticmethod
-    def _advance_grammar(group: SequenceGroup, seq: Sequence, token: int) -> bool:
-        """Structured outputs: move the sequence's grammar past ``token``; True if the grammar
-        can take nothing more (the sequence ends with finish_reason "stop")."""
+    def _advance_grammar(group: SequenceGroup, seq: Sequence, token: int) -> SequenceStatus | None:
+        """Structured outputs: move the sequence's grammar past ``token``. FINISHED_STOPPED if the
+        grammar can take nothing more (finish_reason "stop"); FINISHED_ABORTED if the grammar
+        broke (llguidance hit one of its limits: the text is not a valid answer, so it is not
+        reported as one); None while it goes on."""
         grammar = seq.grammar
-        if grammar.is_finished:
-            return True
-        if not grammar.accept(token):
-            # the mask let through only what the grammar accepts: a bug here, not the user's input
-            logger.error("request %s: token %d broke its grammar (%s); the sequence stops here",
-                         group.request_id, token, grammar.error)
-            return True
-        return grammar.is_finished
+        if grammar.error is None and (grammar.is_finished or grammar.accept(token)):
+            return SequenceStatus.FINISHED_STOPPED if grammar.is_finished else None
+        logger.error("request %s: its grammar stopped at token %d: %s; the sequence is aborted",
+                     group.request_id, token, grammar.error)
+        return SequenceStatus.FINISHED_ABORTED
+
 
     @staticmethod
     def _truncate_at_stop_string(seq: Sequence, params, old_len: int) -> str | None:

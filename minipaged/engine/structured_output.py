@@ -91,16 +91,22 @@ class Grammar:
         bits = np.full((len(drafts) + 1, self.width), -1, dtype=np.int32)   # (k + 1, W)
         valid = self.valid_prefix(drafts)
         consumed = 0
-        for i in range(valid + 1):
-            if self.matcher.is_stopped():
-                break
-            self.fill_mask(bits[i])
-            if i < valid:
-                self.matcher.consume_token(int(drafts[i]))
-                consumed += 1
-        if consumed:
-            self.matcher.rollback(consumed)
+        try:
+            for i in range(valid + 1):
+                if self.matcher.is_stopped():
+                    break
+                self.fill_mask(bits[i])
+                if i < valid:
+                    self.matcher.consume_token(int(drafts[i]))
+                    consumed += 1
+        finally:
+            if consumed and not self.matcher.rollback(consumed):
+                raise RuntimeError(f"the grammar could not roll back {consumed} drafted tokens: {self.error}")
         return bits
+
+    def copy(self) -> "Grammar":
+        """Another matcher at the same place (a new sample of the same request)."""
+        return Grammar(self.matcher.deep_copy(), self.width)
 
 
 class GrammarCompiler:

@@ -58,6 +58,11 @@ class SamplingFields(OpenAIModel):
     response_format: Union[dict, None] = None
     structured_outputs: Union[dict, None] = None
     cache_salt: Union[str, None] = None               # vLLM's: prefix-cache blocks shared only within a salt
+    # vLLM's old names for structured_outputs' fields: refused with the new name, not ignored
+    guided_json: Union[dict, str, None] = None
+    guided_regex: Union[str, None] = None
+    guided_choice: Union[list, None] = None
+    guided_grammar: Union[str, None] = None
     prompt_logprobs: Union[int, None] = None          # vLLM's: log-probabilities of the prompt tokens
     use_beam_search: bool = False                     # vLLM's: n beams; the n best come back, ranked
     length_penalty: float = 1.0                       # beam search: score = logprob / length ** this
@@ -152,7 +157,7 @@ def response_format_params(fmt: dict | None) -> StructuredOutputsParams | None:
         return StructuredOutputsParams(json_object=True)
     if kind == "json_schema":
         spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise ValueError('response_format: a json_schema format needs "json_schema": {"name": ..., "schema": {...}}')
         return StructuredOutputsParams(json=spec.get("schema", {"type": "object"}))
     raise ValueError(f"response_format: type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
@@ -244,6 +249,12 @@ class ChatCompletionRequest(SamplingFields):
     def tool_mode(self) -> str | None:
         """None (no tools), "none", "required", or the name of the function to call."""
         return tool_choice_mode(self.tool_choice, self.tool_functions())
+
+    def beam_search_params(self, max_tokens: int, logprobs: int | None):
+        if self.tool_mode() not in (None, "none"):
+            raise ValueError("tool_choice cannot be used with use_beam_search: beams are ranked by the "
+                             "model's log-probabilities alone, with no grammar")
+        return super().beam_search_params(max_tokens, logprobs)
 
     def constraint(self) -> StructuredOutputsParams | None:
         """A required or named tool call's grammar, or else what response_format or

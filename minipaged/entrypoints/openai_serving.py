@@ -51,9 +51,11 @@ class OpenAIServing:
     def check_fields(request: SamplingFields) -> None:
         """Fields that would change the answer's meaning but that this server does not do: a 400,
         not an answer to another question."""
-        for name in ("suffix", "functions"):
+        for name in ("suffix", "functions", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             if getattr(request, name, None) is not None:
-                hint = "; use tools" if name == "functions" else ""
+                hint = {"functions": "; use tools"}.get(name, "")
+                if name.startswith("guided_"):   # vLLM's old name
+                    hint = f"; send structured_outputs: {{\"{name[len('guided_'):]}\": ...}} (vLLM's current name)"
                 raise APIError(400, f"{name} is not supported by this server{hint}", param=name)
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options can only be given with stream=true", param="stream_options")

@@ -85,6 +85,7 @@ class ServingChat(OpenAIServing):
 
         calling = mode not in (None, "none")
         texts: dict[int, str] = {}          # a tool call's arguments so far, per choice
+        headed: set[int] = set()            # choices whose named call's id and name were sent
         try:
             for i in range(request.n):                   # the role first, as OpenAI sends it
                 yield chunk(i, {"role": "assistant", "content": ""})
@@ -97,11 +98,11 @@ class ServingChat(OpenAIServing):
                                 if request.logprobs else None)
                     reason = c.finish_reason
                     if calling:
-                        sent = c.index in texts
                         texts[c.index] = texts.get(c.index, "") + c.text
                         if mode != "required" and c.text:     # a named call: its arguments as they come
                             call = {"index": 0, "function": {"arguments": c.text}}
-                            if not sent:
+                            if c.index not in headed:         # the first piece carries the id and name
+                                headed.add(c.index)
                                 call = {"index": 0, "id": new_call_id(), "type": "function",
                                         "function": {"name": mode, "arguments": c.text}}
                             yield chunk(c.index, {"tool_calls": [call]}, None, logprobs)
