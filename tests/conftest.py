@@ -60,7 +60,10 @@ BOTH_TIERS = {"test_engine", "test_preemption", "test_sharing", "test_spec_decod
 
 
 def pytest_generate_tests(metafunc):
-    if metafunc.module.__name__ in BOTH_TIERS and "kernels_tier" in metafunc.fixturenames:
+    # a test marked one_tier runs once, on the default tier: SmolLM2-sized runs, whose plain-tier
+    # counterpart is tests/test_tiers.py's golden prompts (each cost ~7-15 s of CI time again)
+    if (metafunc.module.__name__ in BOTH_TIERS and "kernels_tier" in metafunc.fixturenames
+            and metafunc.definition.get_closest_marker("one_tier") is None):
         metafunc.parametrize("kernels_tier", ["fast", "simple"], indirect=True)
 
 

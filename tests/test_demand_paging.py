@@ -136,6 +136,7 @@ def test_only_what_a_step_lacks_moves(tiny_model_dir, batch):
 
 
 @pytest.mark.slow
+@pytest.mark.one_tier   # SmolLM2 on the plain tier: tests/test_tiers.py
 def test_smollm2_greedy_is_unchanged_by_partial_preemption():
     prompts_ = ["The history of paging in operating systems", "A block table maps each logical block",
                 "When memory runs short, the operating system", "def fibonacci(n):"]

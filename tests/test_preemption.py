@@ -159,6 +159,7 @@ def test_stats_keys_and_log_line(tiny_model_dir, caplog):
     dict(block_size=4, num_blocks=24, preemption_mode="auto"),
     dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4),
 ])
+@pytest.mark.one_tier   # SmolLM2 on the plain tier: tests/test_tiers.py
 def test_smollm2_preemption_and_chunking_change_no_token(golden, kwargs):
     cases = golden["prompts"]
     batch = [{"prompt_token_ids": c["prompt_ids"]} for c in cases]

@@ -277,6 +277,7 @@ def test_stats_and_log_line_report_speculation(tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.one_tier   # SmolLM2 on the plain tier: tests/test_tiers.py
 def test_smollm2_greedy_is_identical_with_speculation():
     """The real model, on a task n-gram lookup suits (repeating a passage) and a free one, with
     n-gram drafts and with itself as the draft model."""
