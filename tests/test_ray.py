@@ -222,16 +222,3 @@ def test_a_busy_cluster_is_refused_not_left_pending(cluster, model_dir, monkeypa
 
 
 
-@pytest.mark.slow
-def test_smollm2_pp2_over_ray(cluster):
-    requests = workload("<|im_start|>user\nWhat is a page table? Answer briefly.", n=2)
-    # swap only: recomputation over Ray is checked on the tiny model (test_pp2_over_ray_is_the_same_as_one_worker); each
-    # SmolLM2 mode costs ~30 s of CI time
-    for mode in ("swap",):
-        common = dict(num_blocks=10, block_size=8, preemption_mode=mode, enable_prefix_caching=True)
-        want = Run("smollm2-135m-instruct", requests, **common)
-        got = Run("smollm2-135m-instruct", requests, **common, pipeline_parallel_size=2,
-                  distributed_executor_backend="ray")
-        assert want.stats["num_preemptions"] > 0 and want.stats["prefix_cache_hits"] > 0 and want.copies > 0
-        assert_same_run(got, want)
-        got.engine.shutdown()

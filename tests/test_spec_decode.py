@@ -235,6 +235,7 @@ def test_rollback_leaves_exactly_the_blocks_the_accepted_tokens_need(tiny_model_
     assert engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.one_tier   # the rule is the tier's to follow, not to change: ~20 s of CI time a tier
 def test_seeded_samples_are_the_tokens_drawn_without_speculation(calm_model_dir):
     """n-gram drafts are one-hot, and their rule draws each position's token as the target
     itself would, with the uniform number it would use (rejection_sampler.verify_coupled): so
