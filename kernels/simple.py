@@ -31,6 +31,7 @@ import numpy as np
 from numba import njit, prange
 
 from .kv_quant import KV_FLOAT, KV_INT8, K_SCALE_CONSTANT, V_SCALE_CONSTANT, float_to_fp8, fp8_widen_scale, widen
+from .weight_formats import dequantized
 from .layout import AttentionMetadata, BlockBounds, KVQuant
 from .ops import ModelWeights, Rope, check_block_ids, check_slots, first_read_positions, window_first_read
 
@@ -288,9 +289,11 @@ class SimpleOps:
         """None: the plain tier declines, and the model goes layer by layer."""
         return None
 
-    def linear(self, x: np.ndarray, w: np.ndarray, plan=None) -> np.ndarray:
-        """x (T, in) @ w.T -> (T, out), w (out, in): one matrix product by BLAS."""
-        return x @ w.T
+    def linear(self, x: np.ndarray, w, plan=None) -> np.ndarray:
+        """x (T, in) @ w.T -> (T, out), w (out, in): one matrix product by BLAS. A weight in a
+        compact format (``kernels/weight_formats.py``) is widened to float32 first, every call:
+        its spec, and the bytes it is stored in stay compact."""
+        return x @ dequantized(w).T
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """x (T, hidden) / rms(x) * weight (hidden,) -> (T, hidden)."""

@@ -116,6 +116,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")   # the CPU computes in float32 (bf16 widened on load)
 CPU_GEMMS = ("auto", "mkl", "numba")      # the fast tier's linear layers (kernels/fast/packed_gemm.py)
 KERNEL_TIERS = ("fast", "simple")         # the CPU's tiers of kernels (kernels/ops.py); a GPU runs CUDA's
+QUANTIZATIONS = (None, "int8", "gguf")    # weights in fewer bytes on the CPU (kernels/weight_formats.py)
 
 
 def default_kernels() -> str:
@@ -135,6 +136,9 @@ class EngineConfig:
     max_logprobs: int = 20   # most logprobs a request may ask for (vLLM's default); -1: no cap
     cpu_gemm: str = "auto"   # the CPU's linear layers: auto (each kind of step the engine timed faster here), mkl, numba
     kernels: str = field(default_factory=default_kernels)   # the CPU's tier: "fast" (kernels/fast/) or "simple"
+    # the CPU's weights in fewer bytes: None (as dtype says: float32, or bfloat16), "int8" (a scale
+    # per output row), "gguf" (the model's GGUF file's own blocks: Q4_1, Q8_0); vLLM's --quantization
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model must be a name or a path")
@@ -146,6 +150,11 @@ class EngineConfig:
         _require(not (self.kernels == "simple" and self.cpu_gemm == "mkl"),
                  "cpu_gemm='mkl' is an engine of the fast tier; kernels='simple' multiplies with numpy's BLAS "
                  "(use kernels='fast', or leave cpu_gemm at 'auto')")
+        _require(self.quantization in QUANTIZATIONS,
+                 f"quantization must be one of {', '.join(str(q) for q in QUANTIZATIONS)}, got {self.quantization!r}")
+        _require(self.quantization is None or self.dtype in ("auto", "float32"),
+                 f"dtype={self.dtype!r} and quantization={self.quantization!r} both choose how the weights are "
+                 "stored; give one of them")
         _require(_is_int(self.seed) and self.seed >= 0,
                  f"seed must be a non-negative integer, got {self.seed!r}")
         # A cap, not a cost: each request's top-k is one partition of its logits row,

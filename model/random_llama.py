@@ -101,11 +101,53 @@ def write_tokenizer(path: Path) -> None:
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
 
 
-def write_tiny_llama(path: Path, seed: int = 0, embed_scale: float = 1.0, **config_overrides) -> Path:
-    """embed_scale < 1 gives smaller logits (a flatter distribution, smaller float32 error)."""
+def write_tiny_llama(path: Path, seed: int = 0, embed_scale: float = 1.0, gguf: bool = False,
+                     **config_overrides) -> Path:
+    """embed_scale < 1 gives smaller logits (a flatter distribution, smaller float32 error).
+    ``gguf``: the model as the default one ships, a GGUF file of Q4_1 blocks (Q8_0 for the
+    embedding) beside float32 safetensors that hold those blocks dequantized."""
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_config(**config_overrides)
     (path / "config.json").write_text(json.dumps(config))
-    save_file(random_tensors(config, seed, embed_scale), str(path / "model.safetensors"))
+    tensors = random_tensors(config, seed, embed_scale)
+    if gguf:
+        blocks = write_gguf(path / "model.gguf", config, tensors)
+        tensors = {name: blocks[name].dequantize() if name in blocks else t for name, t in tensors.items()}
+    save_file(tensors, str(path / "model.safetensors"))
     write_tokenizer(path)
     return path
+
+
+def write_gguf(path: Path, config: dict, tensors: dict[str, np.ndarray]) -> dict:
+    """A GGUF file of a Llama's tensors as llama.cpp's converter lays them out (its names; q and k
+    rows permuted for its rotary; matrices in Q4_1 blocks, the embedding in Q8_0, norms F32).
+    Returns the quantized weights by Hugging Face name."""
+    from gguf import GGMLQuantizationType, GGUFWriter   # noqa: PLC0415
+
+    from ..kernels.weight_formats import quantize         # noqa: PLC0415
+    from .gguf_convert import GLOBAL_TENSORS, LAYER_TENSORS   # noqa: PLC0415
+
+    names = {hf: gg for gg, hf in GLOBAL_TENSORS.items()}
+    for i in range(config["num_hidden_layers"]):
+        names.update({f"model.layers.{i}.{hf}": f"blk.{i}.{gg}" for gg, hf in LAYER_TENSORS.items()})
+    writer = GGUFWriter(path, "llama")
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    quantized = {}
+    for name, array in tensors.items():
+        if array.ndim == 1:
+            writer.add_tensor(names[name], np.asarray(array, np.float32))
+            continue
+        fmt = "q8_0" if name == "model.embed_tokens.weight" else "q4_1"
+        quantized[name] = w = quantize(array, fmt)
+        data = w.data.reshape(w.shape[0], -1)                       # (out, in / 32 * bytes)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):       # HF row i -> 2i, i + d/2 -> 2i + 1
+            heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            data = data.reshape(heads, 2, -1, data.shape[1]).transpose(0, 2, 1, 3).reshape(data.shape)
+        kind = GGMLQuantizationType.Q8_0 if fmt == "q8_0" else GGMLQuantizationType.Q4_1
+        writer.add_tensor(names[name], np.ascontiguousarray(data), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return quantized

@@ -96,7 +96,12 @@ def shard_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig, spec: Sha
             if src + name not in tensors:     # named as the checkpoint names it, not renumbered
                 raise ModelFormatError(f"the checkpoint has no tensor {src + name!r}")
             array = tensors[src + name]
-            out[dst + name] = array[rows or slice(None)] if cols is None else array[:, cols]
+            try:
+                out[dst + name] = array[rows or slice(None)] if cols is None else array[:, cols]
+            except ValueError as err:         # a GGUF block of 32 weights cut between two ranks
+                raise ModelFormatError(f"tensor_parallel_size={tp} cuts {src + name} inside its blocks: {err}; "
+                                       "choose a size that splits it at multiples of 32, or another "
+                                       "weight format") from None
 
         take("input_layernorm.weight")
         take("post_attention_layernorm.weight")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..kernels.weight_formats import bf16_to_float32, quantize   # bfloat16: the top half of a float32
 from .errors import ModelFormatError
 
 # safetensors dtype tag -> numpy dtype; BF16 has no numpy dtype and is widened below
@@ -23,9 +24,6 @@ _DTYPES = {
 }
 
 
-def bf16_to_float32(raw: np.ndarray) -> np.ndarray:
-    """bfloat16 is the top half of a float32: shift the 16 bits back into place."""
-    return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
 def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
@@ -87,3 +85,32 @@ def load_checkpoint(model_dir: str | Path) -> dict[str, np.ndarray]:
     for file in checkpoint_files(model_dir):
         tensors.update(read_safetensors(file))
     return tensors
+
+
+def load_weights(model_dir: str | Path, weight_format: str = "float32") -> dict:
+    """A model's tensors in ``weight_format``: "gguf", the model's GGUF file's own blocks
+    (``gguf_convert.read_gguf_weights``; a registry model fetched before the file was kept gets
+    it now); "bfloat16" or "int8", every matrix of the safetensors checkpoint quantized whole,
+    here, before any worker takes its slice (an int8 row's scale is the whole row's, whichever
+    rank holds which of its columns); "float32", the checkpoint as it is."""
+    if weight_format in ("bfloat16", "int8"):
+        return {name: quantize(t, weight_format) if t.ndim == 2 else t
+                for name, t in load_checkpoint(model_dir).items()}
+    if weight_format != "gguf":
+        return load_checkpoint(model_dir)
+    from .gguf_convert import read_gguf_weights         # noqa: PLC0415 (a GGUF model only)
+
+    return read_gguf_weights(gguf_path_of(model_dir))
+
+
+def gguf_path_of(model_dir: str | Path) -> Path:
+    """The GGUF file of a model directory (``fetch.gguf_file``: fetched for a registry model, named
+    by the marker its fetch left, that lacks it)."""
+    from .fetch import COMPLETE_MARKER, gguf_file      # noqa: PLC0415
+
+    marker = Path(model_dir) / COMPLETE_MARKER
+    try:
+        name = json.loads(marker.read_text()).get("name") if marker.is_file() else None
+    except (json.JSONDecodeError, AttributeError):
+        name = None
+    return gguf_file(model_dir, name)

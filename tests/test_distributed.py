@@ -111,7 +111,7 @@ def test_bad_splits_are_refused_before_loading(parallel_model_dir, monkeypatch, 
     def no_load(*args, **kwargs):
         raise AssertionError("weights were read before the split was checked")
 
-    monkeypatch.setattr(executor_module, "load_checkpoint", no_load)
+    monkeypatch.setattr(executor_module, "load_weights", no_load)
     with pytest.raises(ConfigError) as err:
         LLMEngine(str(parallel_model_dir), device="cpu", num_blocks=16, **kw)
     for word in words:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from minipaged import WorkerError
+from minipaged import SamplingParams, WorkerError
 from minipaged.config import ConfigError
 from minipaged.engine.parallel import ray_executor
 from minipaged.model.errors import ModelFormatError
@@ -160,6 +160,20 @@ def test_pp2_over_ray_is_the_same_as_one_worker(cluster, model_dir, mode):
     del got, executor
     gc.collect()
     assert wait_gone(pids) == []
+
+
+@pytest.mark.parametrize("kwargs", [dict(quantization="int8"), dict(dtype="bfloat16")])
+def test_ray_stages_carry_the_weight_format(cluster, model_dir, kwargs):
+    """Each actor loads the driver's weight format (docs/weights.md): the same tokens as one worker."""
+    prompts = [{"prompt_token_ids": list(range(5 + i, 25 + i))} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    one = make_llm(model_dir, num_blocks=32, **kwargs)
+    two = make_llm(model_dir, num_blocks=32, pipeline_parallel_size=2, distributed_executor_backend="ray", **kwargs)
+    assert two.llm_engine.backend.weight_format == one.llm_engine.backend.weight_format != "float32"
+    assert [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    del two
+    gc.collect()
 
 
 def test_deleting_the_llm_stops_its_actors(cluster, model_dir):

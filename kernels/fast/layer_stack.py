@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .panel_gemm import PANEL, PanelWeight
+from .quant_panels import QuantPanelWeight
 
 # Bytes of a weight's panels in one product task: small enough that the two threads end a
 # product together (the last task is short), large enough that claiming one (an atomic add)
@@ -26,12 +27,14 @@ class LayerStack:
 
     input_norms: np.ndarray   # (L, hidden) float32
     post_norms: np.ndarray    # (L, hidden) float32
-    qkv: tuple                # L flat (panels * hidden * PANEL,) float32 panels of qkv
+    qkv: tuple                # L flat (panels * hidden * PANEL,) float32 panels of qkv (quantized:
+                              # (panels * panel_bytes,) uint8, ``quant_panels.py``)
     o: tuple                  # L flat panels of o_proj, (panels * q_size * PANEL,)
     gate_up: tuple            # L flat panels of gate/up, (panels * hidden * PANEL,)
     down: tuple               # L flat panels of down, (panels * ffn * PANEL,)
     widths: np.ndarray        # (5,) int64 padded output features: qkv, o, gate_up, down, the LM head
     per_task: np.ndarray      # (5,) int64 panels in one task of each
+    formats: np.ndarray       # (5,) int64 each one's format code (quant_panels.FORMAT_CODES; 0: float32)
     q_size: int
     kv_size: int
     ffn: int
@@ -49,25 +52,35 @@ def stack(layers, packed, final_norm: np.ndarray | None = None, head: PanelWeigh
     its ``final_norm`` and LM head's panels ``head`` where this worker holds them; None where a
     layer's products have no float32 panels (oneMKL's packing, a GPU)."""
     kinds = ("qkv", "o", "gate_up", "down")
-    if not layers or not all(isinstance(getattr(p, kind), PanelWeight) for p in packed for kind in kinds):
+    panel_types = (PanelWeight, QuantPanelWeight)
+    if not layers or not all(isinstance(getattr(p, kind), panel_types) for p in packed for kind in kinds):
         return None
     panels = [[getattr(p, kind) for p in packed] for kind in kinds]
-    if any(len({(w.out_features, w.in_features) for w in ws}) != 1 for ws in panels):
-        return None   # layers of different shapes: not one kernel's tuples
+    if any(len({(w.out_features, w.in_features, _format(w)) for w in ws}) != 1 for ws in panels):
+        return None   # layers of different shapes or formats: not one kernel's tuples
     first = [ws[0] for ws in panels]
     hidden = first[0].in_features
-    if not isinstance(head, PanelWeight) or final_norm is None or head.in_features != hidden:
+    if not isinstance(head, panel_types) or final_norm is None or head.in_features != hidden:
         head, final_norm = None, None
     weights = first + ([head] if head is not None else [])
-    widths = np.array([w.data.shape[0] * PANEL for w in weights] + [0] * (head is None), np.int64)
-    per_task = np.array([max(1, TASK_BYTES // (w.in_features * PANEL * 4)) for w in weights] + [1] * (head is None),
+    widths = np.array([_panels(w) * PANEL for w in weights] + [0] * (head is None), np.int64)
+    per_task = np.array([max(1, TASK_BYTES // (w.nbytes // _panels(w))) for w in weights] + [1] * (head is None),
                         np.int64)
+    formats = np.array([_format(w) for w in weights] + [0] * (head is None), np.int64)
     qkv, o, _, down = first
     kv_size = (qkv.out_features - o.in_features) // 2
     return LayerStack(np.stack([layer.input_norm for layer in layers]).astype(np.float32),
                       np.stack([layer.post_norm for layer in layers]).astype(np.float32),
                       *(tuple(w.data.reshape(-1) for w in ws) for ws in panels),
-                      widths, per_task, o.in_features, kv_size, down.in_features,
+                      widths, per_task, formats, o.in_features, kv_size, down.in_features,
                       np.zeros(hidden, np.float32) if final_norm is None else np.asarray(final_norm, np.float32),
                       np.zeros(0, np.float32) if head is None else head.data.reshape(-1),
                       0 if head is None else head.out_features)
+
+
+def _panels(w) -> int:
+    return w.panels if isinstance(w, QuantPanelWeight) else w.data.shape[0]
+
+
+def _format(w) -> int:
+    return w.code if isinstance(w, QuantPanelWeight) else 0

@@ -11,8 +11,11 @@ from __future__ import annotations
 import numpy as np
 from numba import get_num_threads, njit, prange
 
+from ..weight_formats import QuantizedWeight
 from .huge_pages import Arena
 from .panel_gemm import PanelWeight, pack as pack_panels, panel_shape
+from .quant_panels import QuantPanelWeight, pack as pack_quant, packed_size
+from .quant_widen import widen_transposed
 from .tuning import DEFAULT_TUNING, SKINNY_TILE_MIN_ROWS, FastTuning
 
 
@@ -89,15 +92,28 @@ def pack_linear(w: np.ndarray, into: np.ndarray | None = None) -> PanelWeight | 
     return pack_panels(w, into) if w.ndim == 2 and w.dtype == np.float32 else None
 
 
-def pack_linears(weights: list[np.ndarray]) -> list[PanelWeight | None]:
-    """``pack_linear`` for every linear weight of a model, their panels back to back in one
-    region of huge pages (``kernels/huge_pages.py``): a decode step streams them all, and 2 MB
-    pages spare it a TLB miss every 4 KB."""
-    shapes = [panel_shape(*w.shape) if w.ndim == 2 and w.dtype == np.float32 else None for w in weights]
-    if not any(shapes):
-        return [None] * len(weights)                 # nothing float32: no region
-    arena = Arena(sum(Arena.footprint(shape) for shape in shapes if shape is not None))
-    return [pack_linear(w, arena.take(shape)) if shape is not None else None for w, shape in zip(weights, shapes)]
+def pack_linears(weights: list) -> list[PanelWeight | QuantPanelWeight | None]:
+    """``pack_linear`` for every linear weight of a model (a quantized one: its quantized panels,
+    ``quant_panels.py``), their panels back to back in one region of huge pages
+    (``kernels/huge_pages.py``): a decode step streams them all, and 2 MB pages spare it a TLB
+    miss every 4 KB."""
+    def layout(w):   # (shape, dtype) of w's panels, or None
+        if isinstance(w, QuantizedWeight):
+            return (packed_size(w),), np.uint8
+        return (panel_shape(*w.shape), np.float32) if w.ndim == 2 and w.dtype == np.float32 else None
+    layouts = [layout(w) for w in weights]
+    if not any(layouts):
+        return [None] * len(weights)                 # nothing to pack: no region
+    arena = Arena(sum(Arena.footprint(*spec) for spec in layouts if spec is not None))
+    packed = []
+    for w, spec in zip(weights, layouts):
+        if spec is None:
+            packed.append(None)
+        elif isinstance(w, QuantizedWeight):
+            packed.append(pack_quant(w, arena.take(*spec)))
+        else:
+            packed.append(pack_linear(w, arena.take(*spec)))
+    return packed
 
 
 def linear(x: np.ndarray, w: np.ndarray, packed=None, tuning: FastTuning = DEFAULT_TUNING) -> np.ndarray:
@@ -112,6 +128,8 @@ def linear(x: np.ndarray, w: np.ndarray, packed=None, tuning: FastTuning = DEFAU
     each weight row once for all of them; more rows (prefill) go to numpy's BLAS gemm, which
     reads w transposed in place.
     """
+    if isinstance(w, QuantizedWeight):          # not prepared: widened, the spec
+        return np.asarray(x, np.float32) @ w.dequantize().T
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear: x {x.shape} and w {w.shape} do not fit: x must be (T, in) "
                          f"and w (out, in) with the same in")
@@ -131,3 +149,15 @@ def linear(x: np.ndarray, w: np.ndarray, packed=None, tuning: FastTuning = DEFAU
         return out
     return x @ w.T
 
+
+
+def quantized_linear(x: np.ndarray, panels: QuantPanelWeight, tuning: FastTuning = DEFAULT_TUNING) -> np.ndarray:
+    """x (T, in) times a quantized weight held as its panels only (``quant_panels.py``) -> (T, out):
+    up to ``panel_max_rows`` rows (decode steps) widen the weight in registers; a prefill's rows
+    (arithmetic-bound: the widening is a small part) widen it to float32 for numpy's BLAS."""
+    if x.ndim != 2 or x.shape[1] != panels.in_features:
+        raise ValueError(f"linear: x {x.shape} does not fit a {panels.shape} weight: x must be (T, in)")
+    x = np.asarray(x, np.float32)
+    if 1 <= x.shape[0] <= tuning.panel_max_rows:
+        return panels.apply(x, get_num_threads())
+    return x @ widen_transposed(panels)

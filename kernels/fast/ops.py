@@ -24,6 +24,7 @@ from numba import get_num_threads
 
 from ..layout import AttentionMetadata, BlockBounds, KVQuant
 from ..ops import LayerWeights, ModelWeights, Rope, check_block_ids, check_slots, first_read_positions, window_first_read
+from ..weight_formats import QuantizedWeight
 from . import layer_stack, persistent_decode
 from .attention import AttentionPlan, paged_attention, plan_attention
 from .attention_registers import _vector_attention, vector_heads
@@ -31,7 +32,7 @@ from .attention_loop import _merge_partials
 from .compile import never_raising
 from .elementwise import _rms_norm, _rotary_inplace, _silu_and_mul, logsumexp, rms_norm, rotary, silu_and_mul
 from .kv_write import _write_kv, calibrate_kv_scales, copy_blocks, swap_blocks, write_kv
-from .linear import linear, pack_linears
+from .linear import linear, pack_linears, quantized_linear
 from .linear_paths import LinearPaths, step_kind
 from .simd import SIMD_CACHE
 from .tuning import DEFAULT_TUNING, QUERY_TILE, FastTuning
@@ -43,26 +44,33 @@ class FastLinear:
     prefill's BLAS reads it), and its second copies: ``numba``, its panels (``panel_gemm.py``);
     ``mkl``, oneMKL's packed layout (``packed_gemm.py``); None where that path is not used."""
 
-    weight: np.ndarray       # (out, in) float32
-    numba: object = None     # PanelWeight or None
+    weight: np.ndarray | None   # (out, in) float32; None for a quantized weight, whose panels are its only copy
+    numba: object = None     # PanelWeight (a QuantPanelWeight for a quantized weight) or None
     mkl: object = None       # PackedWeight or None
 
     # the (out, in) weight's, so that a reader counting a model's weights need not know the tier
     @property
     def shape(self) -> tuple[int, int]:
-        return self.weight.shape
+        return self.weight.shape if self.weight is not None else self.numba.shape
 
     @property
     def size(self) -> int:
-        return int(self.weight.size)
+        return int(np.prod(self.shape))
 
     @property
     def nbytes(self) -> int:
-        return int(self.weight.nbytes)
+        """Bytes of the weight as stored: float32's, or the quantized panels'."""
+        return int((self.weight if self.weight is not None else self.numba).nbytes)
 
     @property
     def dtype(self):
-        return self.weight.dtype
+        """float32: what its products compute in, whatever bytes the weight is stored in."""
+        return np.dtype(np.float32)
+
+    @property
+    def fmt(self) -> str:
+        """The weight's format (kernels/weight_formats.py): "float32", or its quantized panels'."""
+        return "float32" if self.weight is not None else self.numba.fmt
 
 
 @dataclass
@@ -70,6 +78,7 @@ class FastState:
     """The fast tier's per-model state, kept in ``ModelWeights.tier_state``."""
 
     persistent: object = None                       # layer_stack.LayerStack, or None
+    quantized: bool = False                         # compact weights: their panels are the only copy
     paths_made: tuple[str, ...] = ()                # the copies prepare made: "numba", "mkl"
     steps_by_path: Counter = field(default_factory=Counter)   # (kind, path): the steps each took
 
@@ -146,15 +155,18 @@ class FastOps:
         plain = [w for layer in weights.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         plain += [weights.lm_head] if weights.lm_head is not None else []
         copies = {}
-        for path in self.linear_paths.used():
+        quantized = any(isinstance(w, QuantizedWeight) for w in plain)
+        # compact weights: their panels serve every decode step, whichever engine the paths name
+        # (oneMKL multiplies float32 only), and are their only copy: a prefill widens them (linear.py)
+        for path in ("numba",) if quantized else self.linear_paths.used():
             copies[path] = pack_linears(plain) if path == "numba" else [self.gemm.pack_if_worth_it(w, self.tuning.min_packed_elements)
                                                                       for w in plain]
-        wrapped = [FastLinear(w, copies.get("numba", [None] * len(plain))[i], copies.get("mkl", [None] * len(plain))[i])
-                   for i, w in enumerate(plain)]
+        wrapped = [FastLinear(None if isinstance(w, QuantizedWeight) else w, copies.get("numba", [None] * len(plain))[i],
+                              copies.get("mkl", [None] * len(plain))[i]) for i, w in enumerate(plain)]
         layers = [dataclasses.replace(layer, qkv=wrapped[4 * i], o=wrapped[4 * i + 1], gate_up=wrapped[4 * i + 2],
                                       down=wrapped[4 * i + 3]) for i, layer in enumerate(weights.layers)]
         head = wrapped[-1] if weights.lm_head is not None else None
-        state = FastState(paths_made=tuple(copies))
+        state = FastState(paths_made=tuple(copies), quantized=quantized)
         # the persistent kernel runs the plain Llama layer only (no family options: docs/models.md)
         if "numba" in copies and all(layer.plain_llama for layer in weights.layers):
             panels = [LayerWeights(layer.input_norm, layer.qkv.numba, layer.o.numba, layer.post_norm,
@@ -185,15 +197,17 @@ class FastOps:
     def decode_step(self, weights: ModelWeights, hidden, positions, kv_cache, plan: FastPlan, rope: Rope,
                     scale: float, eps: float, num_heads: int, with_head: bool, layer_quant=None, layer_bounds=None):
         state = weights.tier_state
-        if (layer_quant is not None or layer_bounds is not None or plan.path != "numba"
-                or not isinstance(state, FastState) or state.persistent is None):
+        if (layer_quant is not None or layer_bounds is not None or not isinstance(state, FastState)
+                or state.persistent is None or (plan.path != "numba" and not state.quantized)):
             return None
         return decode_layers(state.persistent, hidden, positions, kv_cache, plan.attention, scale, eps, rope.cos,
                              rope.sin, num_heads, with_head, tuning=self.tuning)
 
     def linear(self, x, w, plan: FastPlan | None = None):
         if isinstance(w, FastLinear):
-            packed = w.mkl if plan is not None and plan.path == "mkl" else w.numba
+            if w.weight is None:
+                return quantized_linear(x, w.numba, self.tuning)
+            packed = w.mkl if plan is not None and plan.path == "mkl" and w.mkl is not None else w.numba
             return linear(x, w.weight, packed, self.tuning)
         return linear(x, w, None, self.tuning)
 

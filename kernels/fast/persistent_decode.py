@@ -66,7 +66,8 @@ from .borrowed import borrowed
 from .compile import guarded
 from ..kv_quant import KV_FLOAT
 from .layer_stack import LayerStack
-from .panel_gemm import PANEL, ROW_TILE, panel_rows
+from .panel_gemm import PANEL, ROW_TILE
+from .quant_panels import any_panel_rows
 from .simd import LANES, SIMD_CACHE, prefetch
 
 # How much of the next weight a polling thread asks for ahead: while the other thread runs
@@ -136,10 +137,11 @@ def _wait(ctr, phase, tasks, ahead, cursor, limit):
 
 
 @njit(fastmath=True, cache=CACHE, error_model="numpy")
-def _product(ctr, phase, x, w, k_dim, panels, per_task, out, rows, it):
+def _product(ctr, phase, x, w, fmt, k_dim, panels, per_task, out, rows, it):
     """Claim and run a product phase's tasks, iteration ``it`` of the region: x (rows * k_dim,)
     times per_task panels of w each, into out (rows * panels * PANEL,), through the panels' own
-    loops (``panel_rows``). Returns the phase's task count. A function of its own, not inlined:
+    loops (``panel_rows``; a quantized weight's, flat uint8 in format ``fmt``: ``quant_rows``).
+    Returns the phase's task count. A function of its own, not inlined:
     the kernel calls it for five weights, and five copies of the panels' loops took minutes to
     compile. A task's first panel asks for its own lines ahead (``panel_rows``' ``first``)
     unless this thread has just run the task before it, whose passes asked for them."""
@@ -150,7 +152,7 @@ def _product(ctr, phase, x, w, k_dim, panels, per_task, out, rows, it):
     while task < tasks:
         first = task * per_task
         for p in range(first, min(panels, first + per_task)):
-            panel_rows(xs, ws, k_dim, rows, outs, panels * PANEL, p, p == first and task != last + 1)
+            any_panel_rows(xs, ws, fmt, k_dim, rows, outs, panels * PANEL, p, p == first and task != last + 1)
         _done(ctr, phase)
         last = task
         task, r = _claim(ctr, phase, tasks, r)
@@ -159,7 +161,7 @@ def _product(ctr, phase, x, w, k_dim, panels, per_task, out, rows, it):
 
 @njit(inline="always", cache=CACHE)
 def _limit(w):
-    return min(w.shape[0] * 4, AHEAD_BYTES)
+    return min(w.shape[0] * w.itemsize, AHEAD_BYTES)
 
 
 @njit(fastmath=True, inline="always", cache=CACHE)
@@ -173,7 +175,7 @@ def _add_row(hidden, out, width, t):
 
 def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_out, gu, gu_flat,
                         g, g_flat, d_out, input_norms, post_norms, qkv_w, o_w, gate_up_w, down_w,
-                        widths, per_task, eps, positions, slot_mapping, kv_cache, cos, sin,
+                        widths, per_task, fmts, eps, positions, slot_mapping, kv_cache, cos, sin,
                         block_tables, seq_lens, query_start_loc, items, merges, scale, part_acc,
                         part_max, part_sum, strides, no_bounds, no_scales, final_norm, head_w,
                         logits, with_head, ctr, num_threads):
@@ -187,7 +189,8 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
     input norm; ``with_head``: the last layer's phase 9 also takes the final norm into x, and
     phase 1 + 10 L multiplies it by the LM head's panels head_w into logits (R x padded vocab,).
     ctr: (3 + 10 L, (num_threads + 1) * LINE) zeros, a row a phase (``_claim``), the last one the
-    step's failure mark (``_fail``); iteration ``it`` of the region starts each phase in its own range."""
+    step's failure mark (``_fail``); iteration ``it`` of the region starts each phase in its own range.
+    A product's weights are float32 panels, or quantized ones (flat uint8) in format fmts[i]."""
     num_layers = input_norms.shape[0]
     q_size, kv_size = q.shape[1] * q.shape[2], k.shape[1] * k.shape[2]
     tokens, rows = q.shape[0], x.shape[0]
@@ -208,8 +211,8 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
             k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
             k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
             # 0. q, k, v = x @ qkv.T
-            tasks = _product(ctr, base, x_flat, qkv_w[layer], hidden_size, widths[0] // PANEL, per_task[0], qkv_out,
-                             rows, it)
+            tasks = _product(ctr, base, x_flat, qkv_w[layer], fmts[0], hidden_size, widths[0] // PANEL, per_task[0],
+                             qkv_out, rows, it)
             cursor = _wait(ctr, base, tasks, o_w[layer], 0, _limit(o_w[layer]))
             # 1. rotary on q and k, then k and v into the cache, a token a task
             t, r = _claim(ctr, base + 1, tokens, it)
@@ -247,8 +250,8 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
                     _done(ctr, base + 3)
                 cursor = _wait(ctr, base + 3, 1, o_w[layer], cursor, _limit(o_w[layer]))
             # 4. out = attn @ o.T
-            tasks = _product(ctr, base + 4, attn_flat, o_w[layer], q_size, widths[1] // PANEL, per_task[1], o_out,
-                             rows, it)
+            tasks = _product(ctr, base + 4, attn_flat, o_w[layer], fmts[1], q_size, widths[1] // PANEL, per_task[1],
+                             o_out, rows, it)
             cursor = _wait(ctr, base + 4, tasks, gate_up_w[layer], 0, _limit(gate_up_w[layer]))
             # 5. hidden += out; x = rms_norm(hidden), a token a task
             t, r = _claim(ctr, base + 5, tokens, it)
@@ -260,8 +263,8 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
                 t, r = _claim(ctr, base + 5, tokens, r)
             cursor = _wait(ctr, base + 5, tokens, gate_up_w[layer], cursor, _limit(gate_up_w[layer]))
             # 6. gate | up = x @ gate_up.T
-            tasks = _product(ctr, base + 6, x_flat, gate_up_w[layer], hidden_size, widths[2] // PANEL, per_task[2],
-                             gu_flat, rows, it)
+            tasks = _product(ctr, base + 6, x_flat, gate_up_w[layer], fmts[2], hidden_size, widths[2] // PANEL,
+                             per_task[2], gu_flat, rows, it)
             cursor = _wait(ctr, base + 6, tasks, down_w[layer], 0, _limit(down_w[layer]))
             # 7. g = silu(gate) * up, a token a task
             t, r = _claim(ctr, base + 7, tokens, it)
@@ -272,12 +275,15 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
                 t, r = _claim(ctr, base + 7, tokens, r)
             cursor = _wait(ctr, base + 7, tokens, down_w[layer], cursor, _limit(down_w[layer]))
             # 8. out = g @ down.T
-            tasks = _product(ctr, base + 8, g_flat, down_w[layer], ffn, widths[3] // PANEL, per_task[3], d_out, rows, it)
+            tasks = _product(ctr, base + 8, g_flat, down_w[layer], fmts[3], ffn, widths[3] // PANEL, per_task[3], d_out,
+                             rows, it)
             last = layer + 1 == num_layers
-            following = head_w if last else qkv_w[layer + 1]   # the next weight: the next layer's qkv,
-                                                                 # or the LM head (or none)
-            reach = _limit(following) if not last or with_head else 0
-            cursor = _wait(ctr, base + 8, tasks, following, 0, reach)
+            # the next weight: the next layer's qkv, or the LM head (or none); two calls, not one
+            # variable: a quantized layer's panels and a float32 head are arrays of two types
+            if last:
+                cursor = _wait(ctr, base + 8, tasks, head_w, 0, _limit(head_w) if with_head else 0)
+            else:
+                cursor = _wait(ctr, base + 8, tasks, qkv_w[layer + 1], 0, _limit(qkv_w[layer + 1]))
             # 9. hidden += out; the next layer's input norm (the last: the final norm, for the head)
             t, r = _claim(ctr, base + 9, tokens, it)
             while t < tokens:
@@ -291,11 +297,15 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
                     _fail(ctr)
                 _done(ctr, base + 9)
                 t, r = _claim(ctr, base + 9, tokens, r)
-            cursor = _wait(ctr, base + 9, tokens, following, cursor, reach)
+            if last:
+                cursor = _wait(ctr, base + 9, tokens, head_w, cursor, _limit(head_w) if with_head else 0)
+            else:
+                cursor = _wait(ctr, base + 9, tokens, qkv_w[layer + 1], cursor, _limit(qkv_w[layer + 1]))
         # the LM head: logits = x @ head.T
         if with_head:
             phase = 1 + PHASES_PER_LAYER * num_layers
-            tasks = _product(ctr, phase, x_flat, head_w, hidden_size, widths[4] // PANEL, per_task[4], logits, rows, it)
+            tasks = _product(ctr, phase, x_flat, head_w, fmts[4], hidden_size, widths[4] // PANEL, per_task[4], logits,
+                             rows, it)
             _wait(ctr, phase, tasks, head_w, 0, 0)
 
 
@@ -368,7 +378,7 @@ def run(kernel, stack_: LayerStack, hidden: np.ndarray, positions: np.ndarray, k
     ctr = np.zeros((3 + PHASES_PER_LAYER * num_layers, (iterations + 1) * LINE), np.int64)  # done / claimed; failed
     kernel(padded, x, x.reshape(-1), qkv_out, q, k, v, attn, attn.reshape(-1), o_out, gu, gu.reshape(-1),
            g, g.reshape(-1), d_out, stack_.input_norms, stack_.post_norms, stack_.qkv, stack_.o,
-           stack_.gate_up, stack_.down, widths, stack_.per_task, np.float32(eps),
+           stack_.gate_up, stack_.down, widths, stack_.per_task, stack_.formats, np.float32(eps),
            np.ascontiguousarray(positions, dtype=np.int64), meta.slot_mapping, kv_cache, cos, sin,
            meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.items, plan.merges,
            np.float32(scale), part_acc, part_max, part_sum, strides, _NO_BOUNDS, _NO_SCALES,

@@ -22,6 +22,20 @@ is an LLVM ``<LANES x float>``, and eleven intrinsics work on it:
 
 and one memory hint beside them, ``prefetch(arr, byte_offset)``, which changes no value.
 
+Six more widen a compact weight (``kernels/weight_formats.py``) as it is loaded: each reads
+LANES values from a 1-D uint8 array at a *byte* offset (a quantized panel, ``quant_panels.py``)
+and gives a register of float32s:
+
+    vload_bf16(b, i)     bfloat16 bits, shifted into the top half of each float32
+    vload_i8(b, i)       int8 codes, converted
+    vload_f16(b, i)      float16 values (a GGUF block's d and m), converted
+    vload_low4(b, i)     the low 4 bits of each byte (0..15), converted
+    vload_high4(b, i)    the high 4 bits of each byte, converted
+    vload_f32b(b, i)     float32s stored in the bytes (a panel's int8 scales)
+
+(checked against their NumPy meaning in ``tests/test_weight_formats.py``; a caller keeps
+``i + LANES * bytes-per-value <= b.size``)
+
 Their NumPy meaning is the comment beside each; ``tests/test_panel_gemm.py`` checks each one
 against it. No bounds are checked: a caller keeps ``i + LANES <= a.size`` (``vbroadcast``:
 ``0 <= i < a.size``; unlike ``vsplat(a[i])`` it never tests i for a negative index, a test
@@ -256,6 +270,52 @@ def vsum(typingctx, a):
     def codegen(context, builder, sig, args):
         return _fold_lanes(builder, args[0], lambda b, low, high: b.fadd(low, high))
     return nb_types.float32(a), codegen
+
+
+def _uint8_1d(arr) -> bool:
+    return (isinstance(arr, nb_types.Array) and arr.ndim == 1 and arr.dtype == nb_types.uint8
+            and arr.layout == "C")
+
+
+def _byte_load(element: ir.Type, widen):
+    """An intrinsic (b, i): LANES ``element``s loaded from uint8 array b at byte i (no alignment
+    assumed), then ``widen(builder, vector)`` into a register of float32s."""
+    vector = ir.VectorType(element, LANES)
+
+    def typer(typingctx, arr, index):
+        if not _uint8_1d(arr) or not isinstance(index, nb_types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            pointer = builder.bitcast(_address(context, builder, sig, args), vector.as_pointer())
+            return widen(builder, builder.load(pointer, align=1))
+        return f32vec(arr, index), codegen
+    return typer
+
+
+def _splat_int(width: int, value: int):
+    return ir.Constant(ir.VectorType(ir.IntType(width), LANES), [value] * LANES)
+
+
+def _from_bf16(builder, v):
+    wide = builder.zext(v, ir.VectorType(ir.IntType(32), LANES))
+    return builder.bitcast(builder.shl(wide, _splat_int(32, 16)), _VECTOR)
+
+
+vload_bf16 = intrinsic(_byte_load(ir.IntType(16), _from_bf16))
+vload_bf16.__doc__ = "(b[i : i + 2 LANES].view(np.uint16).astype(np.uint32) << 16).view(np.float32)"
+vload_i8 = intrinsic(_byte_load(ir.IntType(8), lambda builder, v: builder.sitofp(v, _VECTOR)))
+vload_i8.__doc__ = "b[i : i + LANES].view(np.int8).astype(np.float32)"
+vload_f16 = intrinsic(_byte_load(ir.HalfType(), lambda builder, v: builder.fpext(v, _VECTOR)))
+vload_f16.__doc__ = "b[i : i + 2 LANES].view(np.float16).astype(np.float32)"
+vload_low4 = intrinsic(_byte_load(ir.IntType(8), lambda builder, v: builder.uitofp(
+    builder.and_(v, _splat_int(8, 15)), _VECTOR)))
+vload_low4.__doc__ = "(b[i : i + LANES] & 15).astype(np.float32)"
+vload_high4 = intrinsic(_byte_load(ir.IntType(8), lambda builder, v: builder.uitofp(
+    builder.lshr(v, _splat_int(8, 4)), _VECTOR)))
+vload_high4.__doc__ = "(b[i : i + LANES] >> 4).astype(np.float32)"
+vload_f32b = intrinsic(_byte_load(ir.FloatType(), lambda builder, v: v))
+vload_f32b.__doc__ = "b[i : i + 4 LANES].view(np.float32)"
 
 
 @intrinsic

@@ -34,6 +34,9 @@ class Backend:
     # each kind of step's engine for the linear layers (kernels/linear_paths.py); None while
     # cpu_gemm="auto" with oneMKL installed has yet to measure them (engine/linear_calibration.py)
     linear_paths: LinearPaths | None = LinearPaths()
+    # how the linear weights are stored (kernels/weight_formats.py): "float32", "bfloat16", "int8",
+    # or "gguf" (a GGUF file's own blocks, Q4_1 and Q8_0); every format computes in float32
+    weight_format: str = "float32"
 
     @property
     def xp(self):
@@ -122,9 +125,25 @@ def gpu_dtype(dtype: str, checkpoint_dtype: str = "float32", has_bfloat16=cupy_h
     return np.dtype(np.float32 if dtype == "float32" else np.float16)
 
 
+def cpu_weight_format(dtype: str, quantization: str | None) -> str:
+    """How the CPU stores the linear weights: ``--dtype bfloat16`` stores them in bfloat16,
+    ``--quantization int8`` / ``gguf`` in int8 or in a GGUF file's own blocks; activations and
+    sums stay float32 in every case (``kernels/weight_formats.py``)."""
+    if quantization is not None:
+        if dtype not in ("auto", "float32"):
+            raise ValueError(f"dtype={dtype!r} and quantization={quantization!r} both choose how the weights are "
+                             "stored; give one of them (the activations are float32 either way)")
+        return quantization
+    if dtype == "float16":
+        raise ValueError("dtype='float16' is not supported on the CPU: the CPU computes in float32 and stores the "
+                         "weights in float32, bfloat16 (dtype='bfloat16') or fewer bytes (quantization='int8' "
+                         "or 'gguf')")
+    return "bfloat16" if dtype == "bfloat16" else "float32"
+
+
 def select_backend(device: str, dtype: str, cpu_gemm: str = "auto", linear_paths: LinearPaths | None = None,
                    kernels: str = "fast", tuning: FastTuning = DEFAULT_TUNING,
-                   checkpoint_dtype: str = "float32") -> Backend:
+                   checkpoint_dtype: str = "float32", quantization: str | None = None) -> Backend:
     """CUDA when asked for (or, with "auto", when CuPy sees a GPU), else the CPU, whose tier of
     kernels is ``kernels``: "fast" or "simple" (which multiplies with numpy's BLAS and has no use
     for oneMKL, linear paths or ``tuning``, the fast tier's switches). The fast tier's linear
@@ -133,8 +152,12 @@ def select_backend(device: str, dtype: str, cpu_gemm: str = "auto", linear_paths
     and, with "auto" and oneMKL installed, None: measured once the model is known
     (``engine/linear_calibration.py``). On a GPU, ``dtype`` and the checkpoint's
     ``checkpoint_dtype`` (config.json's ``torch_dtype``) choose float32, float16 or bfloat16
-    (``gpu_dtype``); the CPU computes in float32."""
+    (``gpu_dtype``); the CPU computes in float32, its weights stored as ``cpu_weight_format``
+    says (``dtype`` bfloat16, or ``quantization`` "int8" / "gguf": the CPU's only)."""
     if device in ("cuda", "auto") and cuda_available():
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} runs on the CPU only: the CUDA kernels multiply float16, "
+                             "bfloat16 or float32 weights (use dtype=..., or device='cpu')")
         from ..kernels.cuda import gpu_ops  # noqa: PLC0415 (needs CuPy; compiles the .cu files once)
 
         return Backend("cuda", gpu_ops(), gpu_dtype(dtype, checkpoint_dtype))
@@ -143,20 +166,24 @@ def select_backend(device: str, dtype: str, cpu_gemm: str = "auto", linear_paths
                          "(CuPy is not installed or sees no device); use device='cpu' or 'auto'")
     if device == "auto":
         logger.info("no CUDA GPU found; running on the CPU")
-    if dtype not in ("auto", "float32"):
-        raise ValueError(f"dtype={dtype!r} is not supported on the CPU; use 'float32' or 'auto'")
+    weight_format = cpu_weight_format(dtype, quantization)
     settle_numba_layer()              # OpenMP first, whatever was imported first
     if kernels == "simple":
         from ..kernels.simple import SimpleOps  # noqa: PLC0415 (compiles Numba kernels on first use)
 
         settle_blas_threads()
-        return Backend("cpu", SimpleOps(), np.dtype(np.float32), None, cpu_gemm, LinearPaths.every("numba"))
+        return Backend("cpu", SimpleOps(), np.dtype(np.float32), None, cpu_gemm, LinearPaths.every("numba"),
+                       weight_format)
     from numba import get_num_threads  # noqa: PLC0415
 
     from ..kernels.fast.ops import FastOps  # noqa: PLC0415 (compiles Numba kernels on first use)
     from ..kernels.fast.packed_gemm import load_packed_gemm  # noqa: PLC0415
 
-    gemm = load_packed_gemm(cpu_gemm, get_num_threads())
+    # compact weights are multiplied by their own panels (decodes) or widened for numpy's BLAS
+    # (prefills): oneMKL's packed float32 copies, and timing it against ours, have no part there
+    gemm = load_packed_gemm(cpu_gemm, get_num_threads()) if weight_format == "float32" else None
+    if weight_format != "float32":
+        linear_paths = LinearPaths.every("numba")
 
     stuck = settle_blas_threads()     # whatever came first, numpy or minipaged
     if stuck:
@@ -174,7 +201,7 @@ def select_backend(device: str, dtype: str, cpu_gemm: str = "auto", linear_paths
         gemm = None
     # while "auto" has yet to measure (linear_paths None), ours for every step: the calibration times both
     ops = FastOps(tuning, gemm, linear_paths) if linear_paths is not None else FastOps(tuning)
-    return Backend("cpu", ops, np.dtype(np.float32), gemm, cpu_gemm, linear_paths)
+    return Backend("cpu", ops, np.dtype(np.float32), gemm, cpu_gemm, linear_paths, weight_format)
 
 
 def release_device_memory() -> None:

@@ -63,10 +63,10 @@ class LLMEngine:
                  speculative_config=None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  distributed_executor_backend: str = "uni", seed: int = 0, log_stats_interval: float = 0.0,
                  max_logprobs: int = 20, cpu_gemm: str = "auto", kernels: str | None = None,
-                 fast_tuning: FastTuning = DEFAULT_TUNING) -> None:
+                 fast_tuning: FastTuning = DEFAULT_TUNING, quantization: str | None = None) -> None:
         self.config = EngineConfig(model=str(model), device=device, dtype=dtype, seed=seed,
                                    max_logprobs=max_logprobs, cpu_gemm=cpu_gemm,
-                                   kernels=default_kernels() if kernels is None else kernels)
+                                   kernels=default_kernels() if kernels is None else kernels, quantization=quantization)
         if not isinstance(fast_tuning, FastTuning):
             raise ConfigError(f"fast_tuning must be a FastTuning (kernels/fast/tuning.py), got {type(fast_tuning).__name__}")
         cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
@@ -132,7 +132,8 @@ class LLMEngine:
         self.max_model_len = self.scheduler_config.max_model_len
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.backend = select_backend(self.config.device, self.config.dtype, self.config.cpu_gemm,
-                                      kernels=self.config.kernels, tuning=fast_tuning, checkpoint_dtype=c.torch_dtype)
+                                      kernels=self.config.kernels, tuning=fast_tuning, checkpoint_dtype=c.torch_dtype,
+                                      quantization=self.config.quantization)
         check_executor(self.parallel_config, self.backend.device)
         # a GPU without Numba CUDA: no swap space, and no request that forks (n > 1, beams)
         copy_problem = self.backend.block_copy_problem()

@@ -35,7 +35,12 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where to run: 'auto' picks a CUDA GPU if CuPy sees one, else the CPU")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="weight and KV cache dtype ('auto': float32 on the CPU; on a GPU bfloat16 for a bf16 checkpoint, else float16)")
+                   help="weight and KV cache dtype ('auto': float32 on the CPU; on a GPU bfloat16 for a bf16 "
+                        "checkpoint, else float16); on the CPU bfloat16 stores the weights in half the bytes, "
+                        "computing in float32")
+    g.add_argument("--quantization", default=None, choices=["int8", "gguf"],
+                   help="CPU weights in fewer bytes: int8 (a scale per output row), or gguf (the model's GGUF "
+                        "file's own Q4_1 / Q8_0 blocks); activations stay float32 (docs/weights.md)")
     g.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV block (a power of two); the page size of the KV cache")
     g.add_argument("--num-blocks", type=int, default=None,
@@ -108,7 +113,8 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+    return dict(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                block_size=args.block_size,
                 num_blocks=args.num_blocks, kv_cache_space=args.kv_cache_space,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 max_num_batched_tokens=(args.max_num_batched_tokens if args.max_num_batched_tokens is not None

@@ -76,6 +76,9 @@ def add_bench_parser(sub, add_engine_flags) -> None:
     p.add_argument("--prefill-repeats", type=int, default=None, help="roofline: timed runs per prefill")
     p.add_argument("--kv-cache-dtypes", default=None, metavar="D,D,...",
                    help="quality: the kv_cache_dtype of each engine compared (default auto,int8,fp8,fp8_e5m2)")
+    p.add_argument("--weight-formats", default=None, metavar="F,F,...",
+                   help="quality: how each engine stores its weights: float32, bfloat16, int8, gguf "
+                        "(default float32; docs/weights.md)")
     p.add_argument("--num-tokens", type=int, default=None, help="quality: tokens of text scored")
     p.add_argument("--window", type=int, default=None, help="quality: tokens per perplexity window")
     p.add_argument("--context-lens", default=None, metavar="N,N,...", help="sparse: context lengths")
@@ -83,10 +86,10 @@ def add_bench_parser(sub, add_engine_flags) -> None:
     p.add_argument("--trials", type=int, default=None, help="sparse: passkey prompts per context length")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the prompt lengths and ids")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--peer", choices=["hf"], default=None,
-                   help="also run the same prompts through Hugging Face transformers generate "
-                        "(padded batch, float32) in a subprocess and print the ratio; needs the "
-                        "'peers' extra (torch, transformers)")
+    p.add_argument("--peer", choices=["hf", "llamacpp"], default=None,
+                   help="also run the same prompts through a peer in a subprocess and print the ratio: hf, "
+                        "Hugging Face transformers generate (padded batch, float32); llamacpp, llama.cpp on the "
+                        "model's GGUF file (every prompt a sequence of one batch); needs the 'peers' extra")
     add_engine_flags(p)
 
 
@@ -287,6 +290,9 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
             report["peer"] = peer
             result = {**result, f"{args.peer}_generation_tok_s": peer["generation_tok_s"],
                       f"speedup_vs_{args.peer}": result["generation_tok_s"] / peer["generation_tok_s"]}
+            if "decode_tok_s" in peer and "decode_tok_s_single" in result:   # after the first token
+                result = {**result, f"{args.peer}_decode_tok_s": peer["decode_tok_s"],
+                          f"decode_speedup_vs_{args.peer}": result["decode_tok_s_single"] / peer["decode_tok_s"]}
             if floor is not None:
                 # no engine on this machine, in this precision, could beat the peer by more
                 result[f"max_speedup_vs_{args.peer}"] = (result["generated_tokens"] / floor["floor_s"]

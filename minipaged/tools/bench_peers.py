@@ -1,9 +1,16 @@
-"""Peers for ``bench --peer hf``: the same workload through Hugging Face transformers ``generate``.
+"""Peers for ``bench --peer``: the same workload through another engine on the same machine.
+
+- ``hf``: Hugging Face transformers ``generate`` (a padded batch, a contiguous cache, float32).
+- ``llamacpp``: llama.cpp through ``llama-cpp-python``, reading the model's own GGUF file (for
+  SmolLM2, its Q4_1 blocks: the bytes ``--quantization gguf`` computes on). Every prompt is a
+  sequence of its own in one llama.cpp context: each prompt prefilled, then one batch a step
+  holding every sequence's next token, greedy (argmax of its logits), EOS ignored, as our
+  workloads are.
 
 ``run_peer`` starts the peer in its own process (``python -m minipaged.tools.bench_peers``),
-so torch's thread pool and ours never share an address space; the child prints one
-JSON line. Needs ``pip install -e ".[peers]"`` (torch, transformers); minipaged itself
-never imports them.
+so its thread pool and ours never share an address space; the child prints one JSON line.
+Needs ``pip install -e ".[peers]"`` (torch, transformers, llama-cpp-python, which pip builds
+from source: docs/weights.md); minipaged itself never imports them.
 """
 
 from __future__ import annotations
@@ -26,6 +33,10 @@ def run_peer(peer: str, model_dir: str, prompts: list[list[int]], output_len: in
     """Run a peer on the same prompts in a child process (its threads never meet ours)."""
     import numba  # noqa: PLC0415 (only to ask how many threads we run)
 
+    if peer == "llamacpp":   # its GGUF file: found (or, for a registry model, fetched) here
+        from ..model.weights import gguf_path_of  # noqa: PLC0415
+
+        model_dir = str(gguf_path_of(model_dir))
     cmd = [sys.executable, "-m", "minipaged.tools.bench_peers", peer, "--model-dir", os.path.abspath(model_dir),
            "--output-len", str(output_len), "--threads", str(numba.get_num_threads()),
            "--device", device, "--dtype", dtype]
@@ -79,9 +90,61 @@ def hf_generate(model_dir: str, prompts: list[list[int]], output_len: int, threa
             "torch_threads": torch.get_num_threads(), "device": device, "dtype": dtype}
 
 
+def llamacpp_generate(gguf: str, prompts: list[list[int]], output_len: int, threads: int) -> dict:
+    """Every prompt a sequence of one llama.cpp context (``llama-cpp-python``'s bindings of its C
+    API, as llama.cpp's own ``batched`` example drives it): prefills, then one batch a step."""
+    import llama_cpp as lc  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(gguf.encode(), lc.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf}")
+    n_seq = len(prompts)
+    params = lc.llama_context_default_params()
+    params.n_ctx = sum(len(p) + output_len for p in prompts) + 16
+    params.n_batch = params.n_ubatch = max(max(len(p) for p in prompts), n_seq)
+    params.n_seq_max = n_seq
+    params.n_threads = params.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(model, params)
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    batch = lc.llama_batch_init(params.n_batch, 0, 1)
+
+    def decode(entries):            # [(token, position, sequence, want logits)] -> their logits' argmax
+        for i, (token, pos, seq, want) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, want
+            batch.seq_id[i][0] = seq
+        batch.n_tokens = len(entries)
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return [int(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax())
+                for i, entry in enumerate(entries) if entry[3]]
+
+    def run(prompts_, steps):
+        nexts = [decode([(t, i, s, i == len(p) - 1) for i, t in enumerate(p)])[0] for s, p in enumerate(prompts_)]
+        first = time.perf_counter()
+        for step in range(steps - 1):
+            nexts = decode([(nexts[s], len(p) + step, s, True) for s, p in enumerate(prompts_)])
+        return first
+
+    run([prompts[0][-8:]], 3)                                    # warm up: load and touch the weights
+    lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+    start = time.perf_counter()
+    first = run(prompts, output_len)
+    elapsed = time.perf_counter() - start
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+    lc.llama_model_free(model)
+    generated = output_len * n_seq
+    return {"peer": "llama.cpp", "elapsed_s": elapsed, "generated_tokens": generated,
+            "generation_tok_s": generated / elapsed, "decode_tok_s": (generated - n_seq) / (elapsed - (first - start)),
+            "total_tok_s": (sum(len(p) for p in prompts) + generated) / elapsed, "gguf": os.path.basename(gguf),
+            "llama_cpp_python": lc.__version__, "threads": threads}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("peer", choices=["hf"])
+    p.add_argument("peer", choices=["hf", "llamacpp"])
     p.add_argument("--model-dir", required=True)
     p.add_argument("--output-len", type=int, required=True)
     p.add_argument("--threads", type=int, required=True)
@@ -89,7 +152,10 @@ def main() -> int:
     p.add_argument("--dtype", default="float32")
     args = p.parse_args()
     prompts = json.loads(sys.stdin.read())
-    print(json.dumps(hf_generate(args.model_dir, prompts, args.output_len, args.threads, args.device, args.dtype)))
+    if args.peer == "llamacpp":
+        print(json.dumps(llamacpp_generate(args.model_dir, prompts, args.output_len, args.threads)))
+    else:
+        print(json.dumps(hf_generate(args.model_dir, prompts, args.output_len, args.threads, args.device, args.dtype)))
     return 0
 
 

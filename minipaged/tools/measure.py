@@ -104,7 +104,20 @@ def run_workload(engine, requests: list[BenchRequest], progress: bool = True) ->
         "blocks_swapped_out": stats["blocks_swapped_out"],
         "linear_paths": paths_taken(engine),
         "kernels": engine.backend.kernels,          # the tier that ran (kernels/ops.py)
+        "weight_format": engine.backend.weight_format,   # how the weights are stored (docs/weights.md)
+        "weight_mb": engine.model.nbytes / 1e6 if engine.model is not None else None,
+        **resident_memory(),
     }
+
+
+def resident_memory() -> dict:
+    """This process's resident memory now and at its peak, MB (Linux's VmRSS, VmHWM), or nothing."""
+    try:
+        lines = open("/proc/self/status").read().splitlines()
+    except OSError:
+        return {}
+    found = {line.split(":")[0]: int(line.split()[1]) / 1024 for line in lines if line.startswith(("VmRSS", "VmHWM"))}
+    return {"rss_mb": found.get("VmRSS"), "peak_rss_mb": found.get("VmHWM")}
 
 
 def steps_by_path(model) -> Counter:

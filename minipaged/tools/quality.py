@@ -1,6 +1,8 @@
-"""``python -m minipaged bench quality``: what a compressed KV cache costs in quality.
+"""``python -m minipaged bench quality``: what a compressed KV cache, or weights in fewer bytes,
+cost in quality.
 
-For each ``kv_cache_dtype`` asked for (default auto, int8, fp8, fp8_e5m2), one engine:
+For each ``kv_cache_dtype`` asked for (default auto, int8, fp8, fp8_e5m2) and each weight format
+(``--weight-formats``, default float32; bfloat16, int8 and gguf: docs/weights.md), one engine:
 
 - **Perplexity** over real English text that ships with Python: the reference documentation
   of ``pydoc_data.topics`` (the text ``help()`` shows), topics in sorted order, the first
@@ -38,10 +40,26 @@ def reference_text() -> str:
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
+# a weight format of --weight-formats -> the engine settings that store the weights so
+WEIGHT_FORMAT_SETTINGS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
+                          "int8": dict(quantization="int8"), "gguf": dict(quantization="gguf")}
+
+
+def check_weight_formats(cfg: dict) -> list[str]:
+    formats = [f.strip() for f in str(cfg.get("weight_formats") or "float32").split(",") if f.strip()]
+    if not formats:
+        raise ValueError("--weight-formats is empty; give e.g. float32,bfloat16,int8,gguf")
+    for f in formats:
+        if f not in WEIGHT_FORMAT_SETTINGS:
+            raise ValueError(f"--weight-formats: {f!r} is not one of {', '.join(WEIGHT_FORMAT_SETTINGS)}")
+    return formats
+
+
 def check_quality_args(cfg: dict) -> list[str]:
     """The dtypes to compare, after checking every setting (before any model loads)."""
     from ..config import KV_CACHE_DTYPE_NAMES  # noqa: PLC0415
 
+    check_weight_formats(cfg)
     dtypes = [d.strip() for d in str(cfg["kv_cache_dtypes"]).split(",") if d.strip()]
     if not dtypes:
         raise ValueError("--kv-cache-dtypes is empty; give e.g. auto,int8,fp8")
@@ -96,43 +114,55 @@ def golden_agreement(engine: LLMEngine, golden: dict) -> dict:
 
 
 def run_quality(engine_kwargs: dict, cfg: dict) -> dict:
-    """One engine per dtype, the same text and prompts for each; a row per dtype."""
+    """One engine per weight format and KV dtype, the same text and prompts for each; a row each,
+    named by its KV dtype (one weight format) or "format / dtype"."""
     dtypes = check_quality_args(cfg)
+    formats = check_weight_formats(cfg)
+    if len(formats) > 1 or formats != ["float32"]:
+        taken = [k for k in ("dtype", "quantization") if engine_kwargs.get(k) not in (None, "auto")]
+        if taken:
+            raise ValueError(f"--weight-formats sets each engine's weights; drop --{taken[0]}")
     golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else None
     rows = {}
     token_ids = None
-    for dtype in dtypes:
+    for fmt, dtype in [(f, d) for f in formats for d in dtypes]:
         release_device_memory()
-        engine = LLMEngine(**{**engine_kwargs, "kv_cache_dtype": dtype, "log_stats_interval": 0})
+        settings = WEIGHT_FORMAT_SETTINGS[fmt] if formats != ["float32"] else {}
+        engine = LLMEngine(**{**engine_kwargs, **settings, "kv_cache_dtype": dtype, "log_stats_interval": 0})
         if token_ids is None:
             token_ids = engine.tokenizer.encode(reference_text())[: cfg["num_tokens"]]
             if len(token_ids) < cfg["num_tokens"]:
                 raise ValueError(f"the text has only {len(token_ids)} tokens; lower --num-tokens")
         start = time.perf_counter()
-        row = {"kv_cache_dtype": dtype, "num_blocks": engine.cache.num_blocks,
+        fmt = engine.backend.weight_format     # as stored, whichever flag chose it
+        row = {"kv_cache_dtype": dtype, "weight_format": fmt,
+               "weight_bytes": engine.model.nbytes if engine.model is not None else 0,
+               "num_blocks": engine.cache.num_blocks,
                "bytes_per_block": engine.cache.bytes_per_block,
                **perplexity(engine, token_ids, min(cfg["window"], engine.max_model_len))}
         if golden is not None:
             row.update(golden_agreement(engine, golden))
         row["seconds"] = time.perf_counter() - start
-        rows[dtype] = row
+        rows[dtype if len(formats) == 1 else f"{fmt} / {dtype}"] = row
         engine = None
-    if "auto" in rows:
-        base = rows["auto"]["perplexity"]
-        for row in rows.values():
-            row["perplexity_vs_auto"] = row["perplexity"] / base - 1.0
+    first = next(iter(rows.values()))
+    if first["kv_cache_dtype"] == "auto":
+        for row in rows.values():   # against the first row: the first format's weights, the KV cache as they are
+            row["perplexity_vs_auto"] = row["perplexity"] / first["perplexity"] - 1.0
     return {"text": TEXT_SOURCE, "rows": rows}
 
 
 def print_quality(report: dict) -> None:
     print(f"\nquality: {report['text']}")
-    head = f"{'kv_cache_dtype':>15} {'blocks':>8} {'perplexity':>11} {'vs auto':>8} {'golden steps':>13} {'identical':>10}"
+    head = (f"{'weights / kv_cache_dtype':>24} {'weight MB':>9} {'blocks':>8} {'perplexity':>11} {'vs first':>8} "
+            f"{'golden steps':>13} {'identical':>10}")
     print(head)
     for dtype, r in report["rows"].items():
         vs = f"{100 * r['perplexity_vs_auto']:+.2f}%" if "perplexity_vs_auto" in r else "-"
         gold = f"{r['golden_steps_agreed']}/{r['golden_steps']}" if "golden_steps" in r else "-"
         same = f"{r['golden_prompts_identical']}/{r['golden_prompts']}" if "golden_prompts" in r else "-"
-        print(f"{dtype:>15} {r['num_blocks']:>8} {r['perplexity']:>11.4f} {vs:>8} {gold:>13} {same:>10}")
+        print(f"{dtype:>24} {r['weight_bytes'] / 1e6:>9.1f} {r['num_blocks']:>8} {r['perplexity']:>11.4f} {vs:>8} "
+              f"{gold:>13} {same:>10}")
     rows = list(report["rows"].values())
     print(f"  ({rows[0]['tokens_scored']} tokens scored in {rows[0]['windows']} windows per dtype)"
           if rows else "")

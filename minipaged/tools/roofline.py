@@ -101,7 +101,7 @@ def step_cost(engine: LLMEngine, query_lens: list[int], context_lens: list[int],
     layer_params = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
                     + 3 * c.hidden_size * c.intermediate_size)
     head_params = c.hidden_size * c.vocab_size
-    weight_bytes = 4 * (c.num_hidden_layers * layer_params + head_params)   # float32 weights
+    weight_bytes = stored_weight_bytes(engine)      # every weight read once, in the bytes it is stored in
     kv_item = engine.cache.kv_cache.dtype.itemsize
     kv_token = c.num_hidden_layers * 2 * c.kv_size * kv_item                # K and V, all layers
     tokens = sum(query_lens)
@@ -115,6 +115,20 @@ def step_cost(engine: LLMEngine, query_lens: list[int], context_lens: list[int],
     return {"bytes": weight_bytes + kv_read + kv_written + logits_bytes, "weight_bytes": weight_bytes,
             "kv_bytes": kv_read + kv_written, "flops": matmul_flops + attn_flops,
             "matmul_flops": matmul_flops, "attention_flops": attn_flops}
+
+
+def stored_weight_bytes(engine: LLMEngine) -> int:
+    """Bytes a step reads to multiply every linear weight and the LM head once: each weight as
+    the tier stores it (one copy: float32, bfloat16, int8 or GGUF blocks, docs/weights.md)."""
+    model = engine.model
+    if model is None or engine.parallel_config.world_size > 1 or model.lm_head is None:
+        # workers elsewhere, or this one holding a shard: float32, counted from the shapes
+        c = engine.model_config
+        layer_params = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+                        + 3 * c.hidden_size * c.intermediate_size)
+        return 4 * (c.num_hidden_layers * layer_params + c.hidden_size * c.vocab_size)
+    linears = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return int(sum(w.nbytes for w in linears + [model.lm_head]))
 
 
 def bound(cost: dict, machine: dict) -> float:

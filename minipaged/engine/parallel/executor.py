@@ -19,7 +19,7 @@ from __future__ import annotations
 from ...config import CacheConfig, ParallelConfig
 from ...model.config import LlamaConfig
 from ...model.sharding import ShardSpec
-from ...model.weights import load_checkpoint
+from ...model.weights import load_weights
 from ..backend import Backend
 from ..cache_engine import cpu_pool_blocks, profile_gpu_num_blocks, swap_pool_blocks
 from ..model_runner import ForwardInput
@@ -59,7 +59,7 @@ class UniExecutor:
         """``extra_models``: (model, config) pairs sharing the device and the block ids (a draft
         model), with ``extra_bytes_per_block`` their frames' bytes per block id."""
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        tensors = load_checkpoint(model_dir)       # read once; each worker keeps its slices
+        tensors = load_weights(model_dir, backend.weight_format)       # read once; each worker keeps its slices
         self.stages = [[Worker(ShardSpec(t, tp, p, pp), model_config, tensors, cache_config, backend, max_model_len)
                         for t in range(tp)] for p in range(pp)]           # stages[pp_rank][tp_rank]
         del tensors

@@ -40,7 +40,7 @@ from ...kernels.fast.linear_paths import LinearPaths
 from ...kernels.fast.tuning import DEFAULT_TUNING
 from ...model.config import LlamaConfig
 from ...model.sharding import ShardSpec
-from ...model.weights import load_checkpoint
+from ...model.weights import gguf_path_of, load_weights
 from ..backend import Backend, select_backend
 from ..cache_engine import cpu_pool_blocks, profile_gpu_num_blocks, swap_pool_blocks
 from ..model_runner import ForwardInput
@@ -115,7 +115,7 @@ class WorkerActor:
     def __init__(self, shard: ShardSpec, model_dir: str, model_config: LlamaConfig, cache_config: CacheConfig,
                  device: str, dtype: str, max_model_len: int, max_num_batched_tokens: int,
                  cpu_gemm: str = "auto", linear_paths: LinearPaths | None = None,
-                 kernels: str = "fast", tuning=None) -> None:
+                 kernels: str = "fast", tuning=None, weight_format: str = "float32") -> None:
         self.max_model_len, self.max_num_batched_tokens = max_model_len, max_num_batched_tokens
         self.group: NcclGroup | None = None
         self.seconds = {"unpack": 0.0, "compute": 0.0}   # where this worker's step time went
@@ -123,10 +123,12 @@ class WorkerActor:
         # bad checkpoint, say) to the driver, but a failed constructor only as "the actor died".
         self.load_error: Exception | None = None
         try:
-            self.backend = select_backend(device, dtype, cpu_gemm, linear_paths, kernels,
-                                          tuning or DEFAULT_TUNING)   # the driver's
-            self.worker = Worker(shard, model_config, load_checkpoint(model_dir), cache_config, self.backend,
-                                 max_model_len)
+            # the driver's choices, its weight format included (bfloat16 is asked for as a dtype)
+            self.backend = select_backend(device, "bfloat16" if weight_format == "bfloat16" else dtype, cpu_gemm,
+                                          linear_paths, kernels, tuning or DEFAULT_TUNING,
+                                          quantization=weight_format if weight_format in ("int8", "gguf") else None)
+            self.worker = Worker(shard, model_config, load_weights(model_dir, weight_format), cache_config,
+                                 self.backend, max_model_len)
         except Exception as err:  # noqa: BLE001 (handed to the driver as it is)
             self.load_error = err
 
@@ -209,6 +211,8 @@ class RayExecutor:
         """A draft model (``extra_models``) stays in the driver with a pool of its own, as many
         blocks as the workers' (its bytes are not in their budgets)."""
         check_ray_backend(parallel, backend.device)
+        if backend.weight_format == "gguf":   # found (or fetched) once here, not by every actor at once
+            gguf_path_of(model_dir)
         import ray  # noqa: PLC0415 (the optional `distributed` extra)
         from ray.util.placement_group import placement_group  # noqa: PLC0415
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
@@ -255,7 +259,7 @@ class RayExecutor:
                     np.dtype(backend.dtype).name, max_model_len,
                     max_num_batched_tokens, backend.cpu_gemm, backend.linear_paths,
                     "fast" if backend.kernels == "cuda" else backend.kernels,
-                    getattr(backend.ops, "tuning", None)))
+                    getattr(backend.ops, "tuning", None), backend.weight_format))
             self.stages.append(stage)
         self.actors.extend(a for stage in self.stages for a in stage)
         try:                                 # a bad model or budget: its own error, as with uni

@@ -42,6 +42,7 @@ class Worker:
             raise RuntimeError("the backend's linear paths are not decided yet: settle them first "
                                "(engine/linear_calibration.py settle_linear_paths)")
         self.config = shard_config(model_config, shard)          # this worker's heads, columns, layers
+        # tensors in a compact format come quantized (model/weights.py load_weights): kept so
         self.model = LlamaModel(self.config, shard_tensors(tensors, model_config, shard), backend.ops,
                                 backend.dtype, max_positions=max_model_len, shard=shard)
         self.runner = ModelRunner(self.model)

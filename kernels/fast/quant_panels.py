@@ -1,0 +1,385 @@
+"""Quantized panels: a compact weight (``kernels/weight_formats.py``) laid out for the decode
+step's product and widened in registers (compressed pages, expanded by the CPU as they are read).
+
+The float32 panels (``panel_gemm.py``) hold PANEL output features side by side for each k, so
+one k is two registers of weights. A quantized panel keeps the same order in fewer bytes, one
+flat uint8 array per weight, panel after panel, each ``panel_bytes`` long:
+
+- "bfloat16": for each k, PANEL bfloat16s (2 PANEL bytes);
+- "int8": for each k, PANEL int8 codes; after the last k, the PANEL float32 scales;
+- "q4_1": for each block of 32 k (GGUF's): PANEL float16 d, PANEL float16 m, then 16 rows of
+  PANEL bytes, row j holding weight 32 b + j (low nibble) and 32 b + 16 + j (high nibble) of
+  each feature: GGUF's own bytes (20 per 32 weights), regrouped by panel;
+- "q8_0": for each block of 32 k: PANEL float16 d, then 32 rows of PANEL int8 codes.
+
+The kernel loads a row of codes, widens it to float32 in registers (``simd.py``'s byte loads;
+GGUF's blocks: d * q + m in one fused multiply-add) and multiplies as the float32 panels do, so
+only the compact bytes cross the memory bus. Every sum runs over at most 128 k (int8, bfloat16)
+or one block of 32 (GGUF's) before joining its row's total; an int8 row's total is then scaled.
+Tiles of 8 rows of x (AVX-512; 4 with AVX2's 16 registers) share each widened weight; a single
+row has its own loop. (A prefill widens the whole weight for BLAS instead: ``quant_widen.py``.)
+``QuantizedWeight.dequantize()`` followed by ``x @ w.T`` is the spec (``tests/test_weight_formats.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange, types as nb_types
+from numba.extending import overload
+
+from ..weight_formats import BLOCK_BYTES, GGUF_BLOCK, QuantizedWeight
+from .borrowed import borrowed
+from .panel_gemm import K_RUN, PANEL, ROW_TILE, TILE_ROWS, _add_four_rows, _four_rows, _store_four_rows, panel_rows
+from .simd import (LANES, SIMD_CACHE, vadd, vbroadcast, vfma, vload_bf16, vload_f16, vload_f32b, vload_high4,
+                   vload, vload_i8, vload_low4, vmul, vsplat, vstore, vsum, vzero)
+
+FORMAT_CODES = {"bfloat16": 1, "int8": 2, "q4_1": 3, "q8_0": 4}   # a panel's format, as the kernels name it
+BF16, INT8, Q4_1, Q8_0 = 1, 2, 3, 4
+CACHE = SIMD_CACHE
+
+
+def panel_bytes(fmt: str, in_features: int) -> int:
+    """Bytes of one panel of a weight with ``in_features`` columns in format ``fmt``."""
+    if fmt == "bfloat16":
+        return 2 * PANEL * in_features
+    if fmt == "int8":
+        return PANEL * in_features + 4 * PANEL
+    return in_features // GGUF_BLOCK * BLOCK_BYTES[fmt] * PANEL
+
+
+@dataclass(frozen=True)
+class QuantPanelWeight:
+    """A QuantizedWeight (out, in) as panels: ``data`` (panels * panel_bytes,) uint8."""
+
+    data: np.ndarray
+    fmt: str
+    out_features: int
+    in_features: int
+
+    @property
+    def code(self) -> int:
+        return FORMAT_CODES[self.fmt]
+
+    @property
+    def panels(self) -> int:
+        return -(-self.out_features // PANEL)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def apply(self, x: np.ndarray, num_threads: int) -> np.ndarray:
+        """x (T, in) float32 -> x @ w.T, (T, out) float32, over ``num_threads`` threads."""
+        return quant_panel_linear(x, self, num_threads)
+
+    def unpack(self) -> QuantizedWeight:
+        """The QuantizedWeight these panels were packed from (``pack``'s inverse): the panels are
+        the only copy the fast tier keeps, and a prefill widens this for BLAS."""
+        panels, k_dim = self.panels, self.in_features
+        per_panel = self.data.reshape(panels, -1)                                # (panels, panel_bytes)
+        if self.fmt in ("bfloat16", "int8"):
+            dtype = np.uint16 if self.fmt == "bfloat16" else np.int8
+            width = k_dim * PANEL * np.dtype(dtype).itemsize
+            codes = per_panel[:, :width].copy().view(dtype).reshape(panels, k_dim, PANEL)
+            codes = codes.transpose(0, 2, 1).reshape(panels * PANEL, k_dim)[:self.out_features]   # (out, in)
+            scales = (per_panel[:, width:].copy().view(np.float32).reshape(-1)[:self.out_features]
+                      if self.fmt == "int8" else None)
+            return QuantizedWeight(self.fmt, np.ascontiguousarray(codes), scales)
+        nb, size = k_dim // GGUF_BLOCK, BLOCK_BYTES[self.fmt]
+        blocks = per_panel.reshape(panels, nb, size * PANEL)                     # (panels, nb, block bytes)
+        scales = 2 if self.fmt == "q4_1" else 1                                  # float16 rows: d (and m)
+        f16 = [blocks[:, :, 2 * PANEL * i:2 * PANEL * (i + 1)].reshape(panels, nb, PANEL, 2) for i in range(scales)]
+        codes = blocks[:, :, 2 * PANEL * scales:].reshape(panels, nb, -1, PANEL).transpose(0, 1, 3, 2)
+        raw = np.concatenate(f16 + [codes], axis=3).transpose(0, 2, 1, 3)        # (panels, PANEL, nb, bytes)
+        return QuantizedWeight(self.fmt, np.ascontiguousarray(raw.reshape(panels * PANEL, nb, size)[:self.out_features]))
+
+
+def packed_size(w: QuantizedWeight) -> int:
+    """Bytes of ``w``'s panels."""
+    return -(-w.shape[0] // PANEL) * panel_bytes(w.fmt, w.shape[1])
+
+
+def pack(w: QuantizedWeight, into: np.ndarray | None = None) -> QuantPanelWeight:
+    """w's panels, made once at load: written into ``into`` (a (packed_size(w),) uint8 array, a
+    view of one region holding every panel of a model) or a new array."""
+    out_features, in_features = w.shape
+    panels = -(-out_features // PANEL)
+    rows = panels * PANEL
+    data = np.zeros((rows,) + w.data.shape[1:], w.data.dtype)     # (panels * PANEL, ...) w's rows, then zero rows
+    data[:out_features] = w.data
+    if w.fmt in ("bfloat16", "int8"):
+        codes = data.reshape(panels, PANEL, in_features).transpose(0, 2, 1)      # (panels, in, PANEL)
+        parts = [np.ascontiguousarray(codes).view(np.uint8).reshape(panels, -1)]
+        if w.fmt == "int8":
+            scales = np.zeros(rows, np.float32)                                 # (panels * PANEL,)
+            scales[:out_features] = w.scales
+            parts.append(scales.reshape(panels, PANEL).view(np.uint8))          # (panels, 4 PANEL)
+    else:
+        blocks = data.reshape(panels, PANEL, -1, BLOCK_BYTES[w.fmt]).transpose(0, 2, 3, 1)  # (panels, nb, bytes, PANEL)
+
+        def f16_row(first: int) -> np.ndarray:           # (panels, nb, 2 PANEL): a float16 of each feature
+            pair = np.ascontiguousarray(blocks[:, :, first:first + 2].transpose(0, 1, 3, 2))   # (panels, nb, PANEL, 2)
+            return pair.reshape(panels, blocks.shape[1], 2 * PANEL)
+        codes_from = 4 if w.fmt == "q4_1" else 2
+        scales = [f16_row(0)] + ([f16_row(2)] if w.fmt == "q4_1" else [])
+        codes = np.ascontiguousarray(blocks[:, :, codes_from:]).reshape(panels, blocks.shape[1], -1)
+        parts = [np.concatenate(scales + [codes], axis=2).reshape(panels, -1)]
+    flat = np.concatenate(parts, axis=1).reshape(-1)                           # (panels * panel_bytes,)
+    if into is None:
+        into = np.empty(flat.shape, np.uint8)                                 # (panels * panel_bytes,)
+    elif into.shape != flat.shape or into.dtype != np.uint8:
+        raise ValueError(f"pack: into must be a ({flat.size},) uint8 array, got {into.dtype} {into.shape}")
+    into[...] = flat
+    return QuantPanelWeight(into, w.fmt, out_features, in_features)
+
+
+def quant_panel_linear(x: np.ndarray, w: QuantPanelWeight, num_threads: int) -> np.ndarray:
+    """x (T, in) @ w.T -> (T, out) float32, with ``w`` packed by ``pack``."""
+    if x.ndim != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"quant_panel_linear: x {x.shape} does not fit a ({w.out_features}, {w.in_features}) weight")
+    rows = x.shape[0]
+    padded_rows = rows if rows <= 1 else -(-rows // ROW_TILE) * ROW_TILE
+    xs = np.zeros((padded_rows, w.in_features), np.float32)               # (T', in): zero rows added
+    xs[:rows] = x
+    out = np.empty((padded_rows, w.panels * PANEL), np.float32)           # (T', panels * PANEL)
+    if rows:
+        _quant_product(xs.reshape(-1), w.data, w.code, w.in_features, w.panels, out.reshape(-1),
+                       max(1, min(num_threads, w.panels)))
+    return np.ascontiguousarray(out[:rows, :w.out_features])
+
+
+# --------------------------------------------------------------------------- the kernels
+
+@njit(fastmath=True, inline="always", cache=CACHE)
+def dense_at(w, fmt, at):
+    """The two registers of weights of one k of a bfloat16 or int8 panel (row at byte ``at``)."""
+    if fmt == BF16:
+        return vload_bf16(w, at), vload_bf16(w, at + 2 * LANES)
+    return vload_i8(w, at), vload_i8(w, at + LANES)
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
+def _dense_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
+    """Every row of x times panel p of a bfloat16 or int8 weight (``fmt``, a constant where
+    this is inlined), into out's columns [PANEL p, PANEL (p + 1))."""
+    width = 2 * PANEL if fmt == BF16 else PANEL            # bytes of one k
+    base = p * (k_dim * width + (4 * PANEL if fmt == INT8 else 0))
+    s_lo = s_hi = vsplat(np.float32(1.0))
+    if fmt == INT8:                                         # the panel's scales, after its codes
+        s_lo, s_hi = vload_f32b(w, base + k_dim * width), vload_f32b(w, base + k_dim * width + 4 * LANES)
+    m = 0
+    while TILE_ROWS == 8 and m + 8 <= rows:               # AVX-512: 8 rows share each widened k
+        t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
+        t4 = u4 = t5 = u5 = t6 = u6 = t7 = u7 = vzero()
+        r = m * k_dim
+        for k0 in range(0, k_dim, K_RUN):
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
+            a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = vzero()
+            for k in range(k0, min(k0 + K_RUN, k_dim)):
+                lo, hi = dense_at(w, fmt, base + k * width)
+                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3)
+                a4, b4, a5, b5, a6, b6, a7, b7 = _four_rows(x, r + 4 * k_dim, k_dim, k, lo, hi,
+                                                            a4, b4, a5, b5, a6, b6, a7, b7)
+            t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
+                                                            a0, b0, a1, b1, a2, b2, a3, b3)
+            t4, u4, t5, u5, t6, u6, t7, u7 = _add_four_rows(t4, u4, t5, u5, t6, u6, t7, u7,
+                                                            a4, b4, a5, b5, a6, b6, a7, b7)
+        o = m * n_dim + p * PANEL
+        _store_four_rows(out, o, n_dim, vmul(t0, s_lo), vmul(u0, s_hi), vmul(t1, s_lo), vmul(u1, s_hi),
+                         vmul(t2, s_lo), vmul(u2, s_hi), vmul(t3, s_lo), vmul(u3, s_hi))
+        _store_four_rows(out, o + 4 * n_dim, n_dim, vmul(t4, s_lo), vmul(u4, s_hi), vmul(t5, s_lo), vmul(u5, s_hi),
+                         vmul(t6, s_lo), vmul(u6, s_hi), vmul(t7, s_lo), vmul(u7, s_hi))
+        m += 8
+    while m + 4 <= rows:
+        t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
+        r = m * k_dim
+        for k0 in range(0, k_dim, K_RUN):
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
+            for k in range(k0, min(k0 + K_RUN, k_dim)):
+                lo, hi = dense_at(w, fmt, base + k * width)
+                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3)
+            t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
+                                                            a0, b0, a1, b1, a2, b2, a3, b3)
+        _store_four_rows(out, m * n_dim + p * PANEL, n_dim, vmul(t0, s_lo), vmul(u0, s_hi), vmul(t1, s_lo),
+                         vmul(u1, s_hi), vmul(t2, s_lo), vmul(u2, s_hi), vmul(t3, s_lo), vmul(u3, s_hi))
+        m += 4
+    while m < rows:
+        t0 = u0 = vzero()
+        r = m * k_dim
+        for k0 in range(0, k_dim, K_RUN):
+            a0 = b0 = vzero()
+            for k in range(k0, min(k0 + K_RUN, k_dim)):
+                lo, hi = dense_at(w, fmt, base + k * width)
+                x0 = vbroadcast(x, r + k)
+                a0, b0 = vfma(x0, lo, a0), vfma(x0, hi, b0)
+            t0, u0 = vadd(t0, a0), vadd(u0, b0)
+        vstore(out, m * n_dim + p * PANEL, vmul(t0, s_lo)); vstore(out, m * n_dim + p * PANEL + LANES, vmul(u0, s_hi))  # noqa: E702
+        m += 1
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
+def block_scales(w, at):
+    """A GGUF block's d and m (q4_1; q8_0 has only d: its m is never used), for the panel's two
+    registers of features: (d_lo, d_hi, m_lo, m_hi), the block's bytes starting at ``at``."""
+    return (vload_f16(w, at), vload_f16(w, at + 2 * LANES),
+            vload_f16(w, at + 2 * PANEL), vload_f16(w, at + 2 * PANEL + 2 * LANES))
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
+def block_at(w, fmt, codes, j, d_lo, d_hi, m_lo, m_hi):
+    """Weights 32 b + j of a GGUF block (codes row at byte ``codes``), widened: (lo, hi) of the
+    first row of the pair; q4_1 also gives weight 32 b + 16 + j from the same bytes."""
+    if fmt == Q4_1:
+        c = codes + j * PANEL
+        return (vfma(vload_low4(w, c), d_lo, m_lo), vfma(vload_low4(w, c + LANES), d_hi, m_hi),
+                vfma(vload_high4(w, c), d_lo, m_lo), vfma(vload_high4(w, c + LANES), d_hi, m_hi))
+    c, c2 = codes + j * PANEL, codes + (j + 16) * PANEL
+    return (vmul(vload_i8(w, c), d_lo), vmul(vload_i8(w, c + LANES), d_hi),
+            vmul(vload_i8(w, c2), d_lo), vmul(vload_i8(w, c2 + LANES), d_hi))
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
+def _block_sum(x, at):
+    """x[at : at + 32].sum() as a float32 (one GGUF block of a row of x)."""
+    s = vload(x, at)
+    for i in range(LANES, GGUF_BLOCK, LANES):
+        s = vadd(s, vload(x, at + i))
+    return vsum(s)
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
+def _block_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
+    """Every row of x times panel p of a q4_1 or q8_0 weight: each block's d (and m) widened once,
+    its codes a pair of k at a time (j and j + 16), each block's sums then added to the totals."""
+    size = (20 if fmt == Q4_1 else 34) * PANEL             # bytes of one block of a panel
+    blocks = k_dim // GGUF_BLOCK
+    base = p * blocks * size
+    codes_from = 4 * PANEL if fmt == Q4_1 else 2 * PANEL
+    m = 0
+    while TILE_ROWS == 8 and m + 8 <= rows:               # AVX-512: 8 rows share each widened k
+        t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
+        t4 = u4 = t5 = u5 = t6 = u6 = t7 = u7 = vzero()
+        r = m * k_dim
+        for b in range(blocks):
+            at = base + b * size
+            d_lo, d_hi, m_lo, m_hi = block_scales(w, at)
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
+            a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = vzero()
+            k = b * GGUF_BLOCK
+            for j in range(16):
+                lo, hi, lo2, hi2 = block_at(w, fmt, at + codes_from, j, d_lo, d_hi, m_lo, m_hi)
+                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k + j, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3)
+                a4, b4, a5, b5, a6, b6, a7, b7 = _four_rows(x, r + 4 * k_dim, k_dim, k + j, lo, hi,
+                                                            a4, b4, a5, b5, a6, b6, a7, b7)
+                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k + 16 + j, lo2, hi2,
+                                                            a0, b0, a1, b1, a2, b2, a3, b3)
+                a4, b4, a5, b5, a6, b6, a7, b7 = _four_rows(x, r + 4 * k_dim, k_dim, k + 16 + j, lo2, hi2,
+                                                            a4, b4, a5, b5, a6, b6, a7, b7)
+            t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
+                                                            a0, b0, a1, b1, a2, b2, a3, b3)
+            t4, u4, t5, u5, t6, u6, t7, u7 = _add_four_rows(t4, u4, t5, u5, t6, u6, t7, u7,
+                                                            a4, b4, a5, b5, a6, b6, a7, b7)
+        o = m * n_dim + p * PANEL
+        _store_four_rows(out, o, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
+        _store_four_rows(out, o + 4 * n_dim, n_dim, t4, u4, t5, u5, t6, u6, t7, u7)
+        m += 8
+    while m + 4 <= rows:
+        t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
+        r = m * k_dim
+        for b in range(blocks):
+            at = base + b * size
+            d_lo, d_hi, m_lo, m_hi = block_scales(w, at)
+            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
+            k = b * GGUF_BLOCK
+            for j in range(16):
+                lo, hi, lo2, hi2 = block_at(w, fmt, at + codes_from, j, d_lo, d_hi, m_lo, m_hi)
+                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k + j, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3)
+                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k + 16 + j, lo2, hi2,
+                                                            a0, b0, a1, b1, a2, b2, a3, b3)
+            t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
+                                                            a0, b0, a1, b1, a2, b2, a3, b3)
+        _store_four_rows(out, m * n_dim + p * PANEL, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
+        m += 4
+    while m < rows:
+        t0 = u0 = vzero()
+        r = m * k_dim
+        for b in range(blocks):
+            at = base + b * size
+            d_lo, d_hi, m_lo, m_hi = block_scales(w, at)
+            # one row: the codes' sums first, sum_k x q, scaled once a block (d sum x q + m sum x):
+            # a multiply-add a weight fewer than widening each one
+            a0 = b0 = vzero()
+            k = r + b * GGUF_BLOCK
+            c = at + codes_from
+            for j in range(16):
+                x0, x1 = vbroadcast(x, k + j), vbroadcast(x, k + 16 + j)
+                if fmt == Q4_1:
+                    a0, b0 = vfma(x0, vload_low4(w, c), a0), vfma(x0, vload_low4(w, c + LANES), b0)
+                    a0, b0 = vfma(x1, vload_high4(w, c), a0), vfma(x1, vload_high4(w, c + LANES), b0)
+                    c += PANEL
+                else:
+                    a0, b0 = vfma(x0, vload_i8(w, c), a0), vfma(x0, vload_i8(w, c + LANES), b0)
+                    c2 = c + 16 * PANEL
+                    a0, b0 = vfma(x1, vload_i8(w, c2), a0), vfma(x1, vload_i8(w, c2 + LANES), b0)
+                    c += PANEL
+            t0, u0 = vfma(d_lo, a0, t0), vfma(d_hi, b0, u0)
+            if fmt == Q4_1:                                 # + m times the block's sum of x
+                xsum = vsplat(_block_sum(x, k))
+                t0, u0 = vfma(m_lo, xsum, t0), vfma(m_hi, xsum, u0)
+        vstore(out, m * n_dim + p * PANEL, t0); vstore(out, m * n_dim + p * PANEL + LANES, u0)  # noqa: E702
+        m += 1
+
+
+@njit(fastmath=True, cache=CACHE)
+def quant_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
+    """Every row of x (flat, rows x k_dim; rows 1 or a multiple of 4) times panel p of a
+    quantized weight w (flat uint8 panels, format code ``fmt``), into out (flat, rows x n_dim)
+    at columns [PANEL p, PANEL (p + 1)): one branch a panel, each format's loops compiled apart.
+    (Widening a panel once into a float32 scratch panel for the float32 tiles, instead of once
+    per tile, measured no faster at 8 or 32 rows: the widening then no longer overlaps the
+    reading, docs/weights.md.)"""
+    x, w, out = borrowed(x), borrowed(w), borrowed(out)   # no reference counts in the loops
+    if fmt == BF16:
+        _dense_rows(x, w, BF16, k_dim, rows, out, n_dim, p)
+    elif fmt == INT8:
+        _dense_rows(x, w, INT8, k_dim, rows, out, n_dim, p)
+    elif fmt == Q4_1:
+        _block_rows(x, w, Q4_1, k_dim, rows, out, n_dim, p)
+    else:
+        _block_rows(x, w, Q8_0, k_dim, rows, out, n_dim, p)
+
+
+@njit(fastmath=True, parallel=True, cache=CACHE)
+def _quant_product(x, w, fmt, k_dim, panels, out, chunks):
+    """x (rows * k_dim,), w (panels * panel_bytes,) uint8, out (rows * panels * PANEL,): thread c
+    takes panels [c P / chunks, (c + 1) P / chunks)."""
+    rows = x.shape[0] // k_dim
+    for c in prange(chunks):
+        for p in range(c * panels // chunks, (c + 1) * panels // chunks):
+            quant_rows(x, w, fmt, k_dim, rows, out, panels * PANEL, p)
+
+
+def any_panel_rows(x, w, fmt, k_dim, rows, out, n_dim, p, first):
+    """``panel_gemm.panel_rows`` for a float32 weight's panels, ``quant_rows`` for a quantized
+    one's (flat uint8, format code ``fmt``): chosen when a kernel is compiled, by w's dtype (the
+    persistent decode kernel's product tasks call this)."""
+    raise NotImplementedError("any_panel_rows is called from compiled kernels only")
+
+
+@overload(any_panel_rows, inline="always")
+def _any_panel_rows(x, w, fmt, k_dim, rows, out, n_dim, p, first):
+    if isinstance(w, nb_types.Array) and w.dtype == nb_types.float32:
+        def float_panels(x, w, fmt, k_dim, rows, out, n_dim, p, first):
+            panel_rows(x, w, k_dim, rows, out, n_dim, p, first)
+        return float_panels
+    if isinstance(w, nb_types.Array) and w.dtype == nb_types.uint8:
+        def quant_panels(x, w, fmt, k_dim, rows, out, n_dim, p, first):
+            quant_rows(x, w, fmt, k_dim, rows, out, n_dim, p)
+        return quant_panels
+    return None
