@@ -290,7 +290,7 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
             report["peer"] = peer
             result = {**result, f"{args.peer}_generation_tok_s": peer["generation_tok_s"],
                       f"speedup_vs_{args.peer}": result["generation_tok_s"] / peer["generation_tok_s"]}
-            if "decode_tok_s" in peer and "decode_tok_s_single" in result:   # after the first token
+            if "decode_tok_s" in peer and result.get("decode_tok_s_single"):   # a single stream, after its first token
                 result = {**result, f"{args.peer}_decode_tok_s": peer["decode_tok_s"],
                           f"decode_speedup_vs_{args.peer}": result["decode_tok_s_single"] / peer["decode_tok_s"]}
             if floor is not None:
