@@ -28,7 +28,7 @@ import numpy as np
 
 from ..kernels.layout import AttentionMetadata
 from ..kernels.ops import KernelOps, LayerWeights, ModelWeights, Rope
-from ..kernels.weight_formats import QUANTIZED_FORMATS, QuantizedWeight, concat_rows, lookup, quantize
+from ..kernels.weight_formats import QuantizedWeight, concat_rows, lookup
 from .config import LlamaConfig
 from .errors import ModelFormatError
 from .rope import rope_tables
@@ -64,15 +64,12 @@ def run_to_end(run):
 
 class LlamaModel:
     def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray], ops: KernelOps,
-                 dtype=np.float32, max_positions: int | None = None, shard: ShardSpec | None = None,
-                 weight_format: str = "float32") -> None:
+                 dtype=np.float32, max_positions: int | None = None, shard: ShardSpec | None = None) -> None:
         """``config`` and ``tensors`` are the worker's own (``sharding.shard_config`` /
         ``shard_tensors``) when ``shard`` says it holds a slice of a bigger model. ``ops``: the
-        tier of kernels (``kernels/ops.py``), which prepares the weights its own way.
-        ``weight_format`` (``kernels/weight_formats.py``): "bfloat16" or "int8" stores every
-        matrix (the embedding and LM head too) in that format, quantized here; "float32" keeps
-        each tensor as given: the engine's come quantized already (``model/weights.py``
-        ``load_weights``), a GGUF's blocks as ``QuantizedWeight``s, and stay so."""
+        tier of kernels (``kernels/ops.py``), which prepares the weights its own way. A tensor
+        in a compact format (``kernels/weight_formats.py``: ``model/weights.py`` ``load_weights``
+        quantizes a checkpoint, or a GGUF's blocks) is kept as it comes."""
         self.config = config
         self.shard = shard or ShardSpec()
         self.ops = ops
@@ -80,22 +77,16 @@ class LlamaModel:
         c = config
         h, q, kv, ffn = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
 
-        if weight_format != "float32" and weight_format not in QUANTIZED_FORMATS:
-            raise ValueError(f"weight_format must be 'float32' or one of {QUANTIZED_FORMATS}, got {weight_format!r}")
-        compact = weight_format != "float32" or any(
-            isinstance(t, QuantizedWeight) for t in tensors.values())
-        if compact and xp is not np:
+        if xp is not np and any(isinstance(t, QuantizedWeight) for t in tensors.values()):
             raise ValueError("weights in a compact format (bfloat16, int8, GGUF blocks) run on the CPU tiers only")
 
         def put(array: np.ndarray) -> np.ndarray:
             return xp.asarray(np.ascontiguousarray(array, dtype=dtype))
 
-        def put_linear(arrays: list, fmt: str = weight_format):
-            """A linear weight (out, in), its parts stacked by rows, in format ``fmt``."""
+        def put_linear(arrays: list):
+            """A linear weight (out, in), its parts stacked by rows; a compact one kept so."""
             w = concat_rows(arrays)
-            if isinstance(w, QuantizedWeight):        # stored compact (a GGUF's blocks): kept so
-                return w
-            return quantize(w, fmt) if fmt != "float32" else put(w)
+            return w if isinstance(w, QuantizedWeight) else put(w)
 
         tied = c.tie_word_embeddings or "lm_head.weight" not in tensors
         needs_embed = self.shard.is_first_stage or (self.shard.has_lm_head and tied)

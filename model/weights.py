@@ -94,13 +94,18 @@ def load_weights(model_dir: str | Path, weight_format: str = "float32") -> dict:
     here, before any worker takes its slice (an int8 row's scale is the whole row's, whichever
     rank holds which of its columns); "float32", the checkpoint as it is."""
     if weight_format in ("bfloat16", "int8"):
-        return {name: quantize(t, weight_format) if t.ndim == 2 else t
-                for name, t in load_checkpoint(model_dir).items()}
+        return quantize_matrices(load_checkpoint(model_dir), weight_format)
     if weight_format != "gguf":
         return load_checkpoint(model_dir)
     from .gguf_convert import read_gguf_weights         # noqa: PLC0415 (a GGUF model only)
 
     return read_gguf_weights(gguf_path_of(model_dir))
+
+
+def quantize_matrices(tensors: dict, weight_format: str) -> dict:
+    """Every matrix of a checkpoint (the embedding and an LM head too) in ``weight_format``,
+    each whole; vectors (norms, biases) as they are."""
+    return {name: quantize(t, weight_format) if t.ndim == 2 else t for name, t in tensors.items()}
 
 
 def gguf_path_of(model_dir: str | Path) -> Path:

@@ -33,7 +33,7 @@ from minipaged.model.gguf_convert import read_gguf_weights
 from minipaged.model.llama import LlamaModel
 from minipaged.model.random_llama import random_tensors, tiny_config, write_tiny_llama
 from minipaged.model.reference import reference_logits
-from minipaged.model.weights import load_checkpoint
+from minipaged.model.weights import load_checkpoint, quantize_matrices
 from numba import njit
 from tiny_model import make_llm
 
@@ -162,16 +162,14 @@ def test_a_quantized_model_computes_its_dequantized_weights_on_both_tiers(fmt):
     config = tiny_config(intermediate_size=128)
     cfg = LlamaConfig.from_dict(config)
     tensors = random_tensors(config, 5)
-    if fmt == "q4_1":                         # a GGUF's blocks come in as QuantizedWeights
-        tensors = {n: quantize(t, "q4_1") if t.ndim == 2 else t for n, t in tensors.items()}
-    model_format = "float32" if fmt == "q4_1" else fmt
+    tensors = quantize_matrices(tensors, fmt)   # as load_weights gives them (a GGUF's: its blocks)
     block_size, prompt = 4, 11
     table = np.array([[3, 1, 6, 0]], np.int32)
     slots = np.array([table[0, p // block_size] * block_size + p % block_size for p in range(prompt + 1)])
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, size=prompt + 1)
     logits = {}
     for ops in (SimpleOps(), FastOps()):
-        model = LlamaModel(cfg, tensors, ops, weight_format=model_format)
+        model = LlamaModel(cfg, tensors, ops)
         assert all(isinstance(w, QuantizedWeight) for w in (model.layers[0].qkv, model.embed)) or ops.name == "fast"
         kv = np.zeros(kv_cache_shape(cfg.num_hidden_layers, 8, cfg.num_key_value_heads, block_size, cfg.head_dim),
                       np.float32)             # (layers, 2, blocks, kv_heads, block, head_dim)
@@ -187,8 +185,6 @@ def test_a_quantized_model_computes_its_dequantized_weights_on_both_tiers(fmt):
         logits[ops.name] = np.concatenate([first, model.forward(ids[prompt:], np.array([prompt]), kv, step,
                                                                 np.array([0]))])
     widened = {n: t.dequantize() if isinstance(t, QuantizedWeight) else t for n, t in tensors.items()}
-    if fmt != "q4_1":
-        widened = {n: quantize(t, fmt).dequantize() if t.ndim == 2 else t for n, t in widened.items()}
     reference = reference_logits(cfg, widened, ids.tolist())[[prompt - 1, prompt]]   # (2, vocab)
     for name, got in logits.items():
         np.testing.assert_allclose(got, reference, rtol=1e-3, atol=1e-3, err_msg=name)
