@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from minipaged.kernels import reference
-from minipaged.kernels.fast import linear as fast_linear
+from minipaged.kernels.fast import layer_stack, linear as fast_linear
 from minipaged.kernels.fast.huge_pages import ALIGN, HUGE_PAGE, Arena, huge_page_region, mapping_of
 from minipaged.kernels.fast.panel_gemm import pack, panel_linear, panel_shape
 
@@ -72,6 +72,23 @@ def test_panels_in_the_arena_are_the_panels_and_multiply_as_numpy():
     assert bases == sorted(bases) and bases[-1] - bases[0] < HUGE_PAGE   # back to back in one region
     assert fast_linear.pack_linears([]) == []
     assert fast_linear.pack_linears([np.ones((4, 4), np.float16)]) == [None]   # no float32 weight: no region
+
+
+def test_weights_of_one_kind_are_rows_of_one_array():
+    """Two kinds of one layout, layer after layer (a model's o and down when q_size == ffn): each
+    kind's panels lie back to back, so the persistent kernel reads them as one (layers, bytes)
+    view, not a copy (layer_stack.py)."""
+    rng = np.random.default_rng(2)
+    weights = [rng.standard_normal((40, 24), dtype=np.float32) for _ in range(6)]
+    kinds = ["o", "down"] * 3
+    packed = fast_linear.pack_linears(weights, kinds)
+    for kind in ("o", "down"):
+        rows = [p.data for p, k in zip(packed, kinds) if k == kind]
+        assert all(b.ctypes.data == a.ctypes.data + a.nbytes for a, b in zip(rows, rows[1:]))
+        stacked = layer_stack._rows([r.reshape(-1) for r in rows])
+        assert stacked.shape == (3, rows[0].size) and np.shares_memory(stacked, rows[0])
+    for w, p in zip(weights, packed):
+        np.testing.assert_array_equal(p.data, pack(w).data)
 
 
 def test_pack_into_refuses_a_wrong_destination():

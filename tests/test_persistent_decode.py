@@ -215,6 +215,34 @@ def test_a_stage_without_the_head_returns_its_hidden_states():
     np.testing.assert_array_equal(kv, kv_ref)
 
 
+def test_one_compilation_serves_every_depth_and_stage():
+    """Each product's panels reach the kernel as one (layers, bytes) array, a view of the
+    region the panels were packed into (no copy): models of 1, 2 and 3 layers and a pipeline
+    stage's share of them run the same compiled kernel (a tuple of one array a layer made each
+    depth a compilation of its own), and each gives the layer-by-layer floats."""
+    kernel = fast_ops._PERSISTENT[2]
+    seen = None
+    for depth in (1, 2, 3):
+        cfg, model = _model(seed=depth, num_hidden_layers=depth, **SHAPES[1])
+        stack_ = _stack(model)
+        assert stack_.qkv.shape[0] == stack_.down.shape[0] == depth
+        assert all(np.shares_memory(stack_.qkv[i], layer.qkv.numba.data) for i, layer in enumerate(model.weights.layers))
+        stages = [stack_] + ([layer_stack.stack(_panels(model)[1:], _panels(model)[1:])] if depth > 1 else [])
+        for stage in stages:
+            kv, ids, positions, meta = _prefill(cfg, model, 9, 4, np.random.default_rng(depth))
+            plan = model.ops.plan_step(model.weights, meta, kv)
+            kv_ref = kv.copy()
+            hidden, _ = fast_ops.decode_layers(stage, model.weights.embed[ids], positions, kv, plan.attention,
+                                               model.scale, cfg.rms_norm_eps, model.rope.cos, model.rope.sin,
+                                               cfg.num_attention_heads)
+            assert hidden.shape == (1, cfg.hidden_size) and np.isfinite(hidden).all()
+            if stage is stack_:        # every layer: the layer-by-layer path's floats
+                np.testing.assert_array_equal(hidden, llama_run_layers(model, ids, positions, kv_ref, meta, plan))
+            signatures = set(kernel.signatures)
+            assert seen is None or signatures == seen, "a new depth compiled the kernel again"
+            seen = signatures
+
+
 def llama_run_layers(model, ids, positions, kv, meta, plan):
     """The layer-by-layer path's last layer output (model._layers, run to its end)."""
     from minipaged.model.llama import run_to_end

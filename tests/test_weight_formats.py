@@ -23,7 +23,8 @@ from minipaged.kernels.fast.ops import FastOps
 from minipaged.kernels.fast.tuning import FastTuning
 from minipaged.kernels.fast.quant_panels import pack, quant_panel_linear
 from minipaged.kernels.fast.panel_gemm import PANEL
-from minipaged.kernels.fast.simd import LANES, vload_bf16, vload_f16, vload_f32b, vload_high4, vload_i8, vload_low4, vstore
+from minipaged.kernels.fast.simd import (LANES, vload_bf16, vload_f16, vload_f32b, vload_high4_unit, vload_i8,
+                                        vload_low4_unit, vstore)
 from minipaged.kernels.layout import AttentionMetadata, kv_cache_shape
 from minipaged.kernels.simple import SimpleOps
 from minipaged.kernels.weight_formats import QUANTIZED_FORMATS, QuantizedWeight, concat_rows, quantize
@@ -112,7 +113,7 @@ def test_bad_quantizations_are_named():
 @njit
 def _widen_all(b, i, out):
     vstore(out, 0, vload_bf16(b, i)); vstore(out, LANES, vload_i8(b, i)); vstore(out, 2 * LANES, vload_f16(b, i))  # noqa: E702
-    vstore(out, 3 * LANES, vload_low4(b, i)); vstore(out, 4 * LANES, vload_high4(b, i))  # noqa: E702
+    vstore(out, 3 * LANES, vload_low4_unit(b, i)); vstore(out, 4 * LANES, vload_high4_unit(b, i))  # noqa: E702
     vstore(out, 5 * LANES, vload_f32b(b, i))
 
 
@@ -125,20 +126,21 @@ def test_the_byte_loads_widen_as_numpy_does():
     s = b[5:]
     expected = [(s[:2 * LANES].view(np.uint16).astype(np.uint32) << 16).view(np.float32),
                 s[:LANES].view(np.int8).astype(np.float32), s[:2 * LANES].view(np.float16).astype(np.float32),
-                (s[:LANES] & 15).astype(np.float32), (s[:LANES] >> 4).astype(np.float32), s[:4 * LANES].view(np.float32)]
+                1 + (s[:LANES] & 15).astype(np.float32) / 16, 1 + (s[:LANES] >> 4).astype(np.float32) / 16, s[:4 * LANES].view(np.float32)]
     np.testing.assert_array_equal(out, np.concatenate(expected))
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
 @pytest.mark.parametrize("shape", [(PANEL, 64), (3 * PANEL - 5, 96), (40, 320)])
 def test_quantized_panels_multiply_as_the_spec(fmt, shape):
-    """Every row count a decode step has (1, 2-3 padded to 4, tiles of 4), out padded to whole
-    panels, runs of k over K_RUN: x @ w.dequantize().T within float32 rounding."""
+    """Every row count a decode step has (1, 2-3 padded to 4, tiles of 4 and 8, GGUF's wide tiles
+    of 16: 16, 28 = 16 + 8 + 4 with AVX-512), out padded to whole panels, runs of k over K_RUN:
+    x @ w.dequantize().T within float32 rounding."""
     rng = np.random.default_rng(4)
     q = quantize(_weight(rng, *shape), fmt)
     panels = pack(q)
     assert panels.nbytes == -(-shape[0] // PANEL) * PANEL * (q.nbytes // shape[0])   # out padded to whole panels
-    for rows in (1, 2, 3, 4, 9):
+    for rows in (1, 2, 3, 4, 9, 16, 28):
         x = rng.standard_normal((rows, shape[1])).astype(np.float32)
         expected = x.astype(np.float64) @ q.dequantize().T.astype(np.float64)     # (rows, out)
         got = quant_panel_linear(x, panels, 2)

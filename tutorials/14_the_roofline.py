@@ -309,11 +309,14 @@ print("  docs/benchmarks.md records whole steps' products (2-core AMD EPYC, AVX-
 # our engine's copies: each linear weight of the fast tier (a FastLinear) holds its panels as .numba
 copies = [w.numba for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 copies += [model.lm_head.numba]
-region = [p.data for p in copies if isinstance(p, PanelWeight)]
+# (grouped by kind, every layer's qkv side by side, then every o, ...: the persistent decode kernel
+# reads each kind as one (layers, bytes) array, kernels/fast/layer_stack.py)
+region = sorted((p.data for p in copies if isinstance(p, PanelWeight)), key=lambda a: a.ctypes.data)
 if region:
     first, last = region[0].ctypes.data, region[-1].ctypes.data + region[-1].nbytes
-    assert all(a.ctypes.data < b.ctypes.data for a, b in zip(region, region[1:]))   # in order, in one region
+    assert all(a.ctypes.data + a.nbytes <= b.ctypes.data for a, b in zip(region, region[1:]))   # one region, no overlap
     span = last - first
+    assert span < sum(a.nbytes for a in region) + len(region) * huge_pages.ALIGN   # back to back: no gaps but alignment
     print(f"  every panel lies in one region of {fmt_bytes(span)}: {-(-span // 4096):,} pages of 4 KB, or "
           f"{-(-span // huge_pages.HUGE_PAGE):,} of 2 MB, for a TLB of a few thousand entries; a decode step "
           "streams it all, and with 4 KB pages each 4 KB of it waits for a walk of the page table")

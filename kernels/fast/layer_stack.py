@@ -1,8 +1,11 @@
 """The layers as the persistent decode kernel reads them: a ``LayerStack``, made once per model.
 
 The OS idea is a driver's descriptor table: the device is handed one table of its buffers at
-setup (the layers' norms stacked, each product's panels as a tuple, how many panels make one
-task), not a list of objects to walk each step. No weight is copied: the panels are views.
+setup (the layers' norms stacked, each product's panels as one (layers, panel bytes) array,
+how many panels make one task), not a list of objects to walk each step. No weight is copied
+where the layers' panels lie back to back, as ``linear.pack_linears`` lays them: the arrays are
+views. The kernel's compiled code depends on the arrays' types only, not on how many layers
+they hold: one compilation serves every model, and every pipeline stage, of one format.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ class LayerStack:
 
     input_norms: np.ndarray   # (L, hidden) float32
     post_norms: np.ndarray    # (L, hidden) float32
-    qkv: tuple                # L flat (panels * hidden * PANEL,) float32 panels of qkv (quantized:
-                              # (panels * panel_bytes,) uint8, ``quant_panels.py``)
-    o: tuple                  # L flat panels of o_proj, (panels * q_size * PANEL,)
-    gate_up: tuple            # L flat panels of gate/up, (panels * hidden * PANEL,)
-    down: tuple               # L flat panels of down, (panels * ffn * PANEL,)
+    qkv: np.ndarray           # (L, panels * hidden * PANEL) float32: each layer's flat panels of qkv
+                              # (quantized: (L, panels * panel_bytes) uint8, ``quant_panels.py``)
+    o: np.ndarray             # (L, panels * q_size * PANEL) the layers' flat panels of o_proj
+    gate_up: np.ndarray       # (L, panels * hidden * PANEL) the layers' flat panels of gate/up
+    down: np.ndarray          # (L, panels * ffn * PANEL) the layers' flat panels of down
     widths: np.ndarray        # (5,) int64 padded output features: qkv, o, gate_up, down, the LM head
     per_task: np.ndarray      # (5,) int64 panels in one task of each
     formats: np.ndarray       # (5,) int64 each one's format code (quant_panels.FORMAT_CODES; 0: float32)
@@ -39,7 +42,9 @@ class LayerStack:
     kv_size: int
     ffn: int
     final_norm: np.ndarray    # (hidden,) float32 the model's last norm (zeros without a head)
-    head: np.ndarray          # flat panels of the LM head, (panels * hidden * PANEL,); (0,) without
+    head: np.ndarray          # flat panels of the LM head, (panels * hidden * PANEL,); without one, (0,) of
+                              # the qkv panels' dtype (a stage and a whole model whose head has that
+                              # dtype, as every format's has: one compiled kernel)
     vocab_size: int           # the head's output features (0 without a head)
 
     @property
@@ -57,7 +62,7 @@ def stack(layers, packed, final_norm: np.ndarray | None = None, head: PanelWeigh
         return None
     panels = [[getattr(p, kind) for p in packed] for kind in kinds]
     if any(len({(w.out_features, w.in_features, _format(w)) for w in ws}) != 1 for ws in panels):
-        return None   # layers of different shapes or formats: not one kernel's tuples
+        return None   # layers of different shapes or formats: not one (layers, bytes) array each
     first = [ws[0] for ws in panels]
     hidden = first[0].in_features
     if not isinstance(head, panel_types) or final_norm is None or head.in_features != hidden:
@@ -71,11 +76,21 @@ def stack(layers, packed, final_norm: np.ndarray | None = None, head: PanelWeigh
     kv_size = (qkv.out_features - o.in_features) // 2
     return LayerStack(np.stack([layer.input_norm for layer in layers]).astype(np.float32),
                       np.stack([layer.post_norm for layer in layers]).astype(np.float32),
-                      *(tuple(w.data.reshape(-1) for w in ws) for ws in panels),
+                      *(_rows([w.data.reshape(-1) for w in ws]) for ws in panels),
                       widths, per_task, formats, o.in_features, kv_size, down.in_features,
-                      np.zeros(hidden, np.float32) if final_norm is None else np.asarray(final_norm, np.float32),
-                      np.zeros(0, np.float32) if head is None else head.data.reshape(-1),
+                      np.zeros(hidden, np.float32) if final_norm is None else np.array(final_norm, np.float32),
+                      np.zeros(0, first[0].data.dtype) if head is None else head.data.reshape(-1),
                       0 if head is None else head.out_features)
+
+
+def _rows(flat: list[np.ndarray]) -> np.ndarray:
+    """The layers' flat panels (each (n,), one dtype) as one (L, n) C-contiguous array: a view
+    where they lie back to back in memory (``pack_linears``' region), else a copy."""
+    first, n = flat[0], flat[0].shape[0]
+    step = n * first.itemsize
+    if all(a.flags.c_contiguous and a.ctypes.data == first.ctypes.data + i * step for i, a in enumerate(flat)):
+        return np.lib.stride_tricks.as_strided(first, (len(flat), n), (step, first.itemsize))
+    return np.stack(flat)                               # (L, n) panels made one by one (tests): a copy
 
 
 def _panels(w) -> int:

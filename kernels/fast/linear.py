@@ -92,27 +92,32 @@ def pack_linear(w: np.ndarray, into: np.ndarray | None = None) -> PanelWeight | 
     return pack_panels(w, into) if w.ndim == 2 and w.dtype == np.float32 else None
 
 
-def pack_linears(weights: list) -> list[PanelWeight | QuantPanelWeight | None]:
+def pack_linears(weights: list, kinds: list | None = None) -> list[PanelWeight | QuantPanelWeight | None]:
     """``pack_linear`` for every linear weight of a model (a quantized one: its quantized panels,
-    ``quant_panels.py``), their panels back to back in one region of huge pages
-    (``kernels/huge_pages.py``): a decode step streams them all, and 2 MB pages spare it a TLB
-    miss every 4 KB."""
+    ``quant_panels.py``), their panels in one region of huge pages (``kernels/huge_pages.py``):
+    a decode step streams them all, and 2 MB pages spare it a TLB miss every 4 KB. Weights of
+    one kind (``kinds[i]``, each weight its own where not given) and one layout, every layer's
+    qkv say, are rows of one array in the region, in their order: the persistent decode kernel
+    reads each kind as one (layers, panel bytes) array (``layer_stack.py``), whatever the number
+    of layers. Each such array starts on a cache line; its rows follow one another unpadded."""
     def layout(w):   # (shape, dtype) of w's panels, or None
         if isinstance(w, QuantizedWeight):
             return (packed_size(w),), np.uint8
         return (panel_shape(*w.shape), np.float32) if w.ndim == 2 and w.dtype == np.float32 else None
     layouts = [layout(w) for w in weights]
-    if not any(layouts):
+    groups: dict = {}                                 # (kind, shape, dtype) -> indices of its weights
+    for i, spec in enumerate(layouts):
+        if spec is not None:
+            groups.setdefault((i if kinds is None else kinds[i], spec[0], np.dtype(spec[1]).str), []).append(i)
+    if not groups:
         return [None] * len(weights)                 # nothing to pack: no region
-    arena = Arena(sum(Arena.footprint(*spec) for spec in layouts if spec is not None))
-    packed = []
-    for w, spec in zip(weights, layouts):
-        if spec is None:
-            packed.append(None)
-        elif isinstance(w, QuantizedWeight):
-            packed.append(pack_quant(w, arena.take(*spec)))
-        else:
-            packed.append(pack_linear(w, arena.take(*spec)))
+    arena = Arena(sum(Arena.footprint((len(rows),) + shape, dtype) for (_, shape, dtype), rows in groups.items()))
+    packed: list = [None] * len(weights)
+    for (_, shape, dtype), rows in groups.items():
+        block = arena.take((len(rows),) + shape, dtype)   # (count,) + one weight's panels
+        for row, i in enumerate(rows):
+            w = weights[i]
+            packed[i] = pack_quant(w, block[row]) if isinstance(w, QuantizedWeight) else pack_linear(w, block[row])
     return packed
 
 

@@ -154,12 +154,13 @@ class FastOps:
         packing; and the persistent kernel's view of the layers (no weight copied)."""
         plain = [w for layer in weights.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         plain += [weights.lm_head] if weights.lm_head is not None else []
+        kinds = [i % 4 for i in range(4 * len(weights.layers))] + ["head"] * (weights.lm_head is not None)
         copies = {}
         quantized = any(isinstance(w, QuantizedWeight) for w in plain)
         # compact weights: their panels serve every decode step, whichever engine the paths name
         # (oneMKL multiplies float32 only), and are their only copy: a prefill widens them (linear.py)
         for path in ("numba",) if quantized else self.linear_paths.used():
-            copies[path] = pack_linears(plain) if path == "numba" else [self.gemm.pack_if_worth_it(w, self.tuning.min_packed_elements)
+            copies[path] = pack_linears(plain, kinds) if path == "numba" else [self.gemm.pack_if_worth_it(w, self.tuning.min_packed_elements)
                                                                       for w in plain]
         wrapped = [FastLinear(None if isinstance(w, QuantizedWeight) else w, copies.get("numba", [None] * len(plain))[i],
                               copies.get("mkl", [None] * len(plain))[i]) for i, w in enumerate(plain)]

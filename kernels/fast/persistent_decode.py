@@ -190,7 +190,9 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
     phase 1 + 10 L multiplies it by the LM head's panels head_w into logits (R x padded vocab,).
     ctr: (3 + 10 L, (num_threads + 1) * LINE) zeros, a row a phase (``_claim``), the last one the
     step's failure mark (``_fail``); iteration ``it`` of the region starts each phase in its own range.
-    A product's weights are float32 panels, or quantized ones (flat uint8) in format fmts[i]."""
+    A product's weights are (L, n) arrays, a layer's flat panels a row: float32 panels, or
+    quantized ones (uint8) in format fmts[i]. (Arrays, not tuples of L: the compiled code does
+    not depend on the number of layers.)"""
     num_layers = input_norms.shape[0]
     q_size, kv_size = q.shape[1] * q.shape[2], k.shape[1] * k.shape[2]
     tokens, rows = q.shape[0], x.shape[0]
@@ -379,7 +381,8 @@ def run(kernel, stack_: LayerStack, hidden: np.ndarray, positions: np.ndarray, k
     kernel(padded, x, x.reshape(-1), qkv_out, q, k, v, attn, attn.reshape(-1), o_out, gu, gu.reshape(-1),
            g, g.reshape(-1), d_out, stack_.input_norms, stack_.post_norms, stack_.qkv, stack_.o,
            stack_.gate_up, stack_.down, widths, stack_.per_task, stack_.formats, np.float32(eps),
-           np.ascontiguousarray(positions, dtype=np.int64), meta.slot_mapping, kv_cache, cos, sin,
+           np.ascontiguousarray(positions, dtype=np.int64),
+           np.ascontiguousarray(meta.slot_mapping, dtype=np.int64), kv_cache, cos, sin,
            meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.items, plan.merges,
            np.float32(scale), part_acc, part_max, part_sum, strides, _NO_BOUNDS, _NO_SCALES,
            stack_.final_norm, stack_.head, logits, with_head, ctr, iterations)

@@ -12,12 +12,12 @@ flat uint8 array per weight, panel after panel, each ``panel_bytes`` long:
   each feature: GGUF's own bytes (20 per 32 weights), regrouped by panel;
 - "q8_0": for each block of 32 k: PANEL float16 d, then 32 rows of PANEL int8 codes.
 
-The kernel loads a row of codes, widens it to float32 in registers (``simd.py``'s byte loads;
-GGUF's blocks: d * q + m in one fused multiply-add) and multiplies as the float32 panels do, so
-only the compact bytes cross the memory bus. Every sum runs over at most 128 k (int8, bfloat16)
-or one block of 32 (GGUF's) before joining its row's total; an int8 row's total is then scaled.
-Tiles of 8 rows of x (AVX-512; 4 with AVX2's 16 registers) share each widened weight; a single
-row has its own loop. (A prefill widens the whole weight for BLAS instead: ``quant_widen.py``.)
+The kernel loads a row of codes, widens it to float32 in registers (``simd.py``'s byte loads)
+and multiplies as the float32 panels do, so only the compact bytes cross the memory bus. Here
+are bfloat16's and int8's loops (``_dense_rows``): every sum runs over at most 128 k before
+joining its row's total, and an int8 row's total is then scaled; tiles of 8 rows of x (AVX-512;
+4 with AVX2's 16 registers) share each widened weight, and a single row has its own loop.
+GGUF's blocks have theirs in ``quant_blocks.py``. (A prefill widens the whole weight for BLAS instead: ``quant_widen.py``.)
 ``QuantizedWeight.dequantize()`` followed by ``x @ w.T`` is the spec (``tests/test_weight_formats.py``).
 """
 
@@ -31,12 +31,12 @@ from numba.extending import overload
 
 from ..weight_formats import BLOCK_BYTES, GGUF_BLOCK, QuantizedWeight
 from .borrowed import borrowed
+from .quant_blocks import Q4_1, Q8_0, block_rows
 from .panel_gemm import K_RUN, PANEL, ROW_TILE, TILE_ROWS, _add_four_rows, _four_rows, _store_four_rows, panel_rows
-from .simd import (LANES, SIMD_CACHE, vadd, vbroadcast, vfma, vload_bf16, vload_f16, vload_f32b, vload_high4,
-                   vload, vload_i8, vload_low4, vmul, vsplat, vstore, vsum, vzero)
+from .simd import LANES, SIMD_CACHE, vadd, vbroadcast, vfma, vload_bf16, vload_f32b, vload_i8, vmul, vsplat, vstore, vzero
 
-FORMAT_CODES = {"bfloat16": 1, "int8": 2, "q4_1": 3, "q8_0": 4}   # a panel's format, as the kernels name it
-BF16, INT8, Q4_1, Q8_0 = 1, 2, 3, 4
+BF16, INT8 = 1, 2                                   # (GGUF's: quant_blocks.Q4_1, Q8_0)
+FORMAT_CODES = {"bfloat16": BF16, "int8": INT8, "q4_1": Q4_1, "q8_0": Q8_0}   # a panel's format, as the kernels name it
 CACHE = SIMD_CACHE
 
 
@@ -223,119 +223,6 @@ def _dense_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
         m += 1
 
 
-@njit(fastmath=True, inline="always", cache=CACHE)
-def block_scales(w, at):
-    """A GGUF block's d and m (q4_1; q8_0 has only d: its m is never used), for the panel's two
-    registers of features: (d_lo, d_hi, m_lo, m_hi), the block's bytes starting at ``at``."""
-    return (vload_f16(w, at), vload_f16(w, at + 2 * LANES),
-            vload_f16(w, at + 2 * PANEL), vload_f16(w, at + 2 * PANEL + 2 * LANES))
-
-
-@njit(fastmath=True, inline="always", cache=CACHE)
-def block_at(w, fmt, codes, j, d_lo, d_hi, m_lo, m_hi):
-    """Weights 32 b + j of a GGUF block (codes row at byte ``codes``), widened: (lo, hi) of the
-    first row of the pair; q4_1 also gives weight 32 b + 16 + j from the same bytes."""
-    if fmt == Q4_1:
-        c = codes + j * PANEL
-        return (vfma(vload_low4(w, c), d_lo, m_lo), vfma(vload_low4(w, c + LANES), d_hi, m_hi),
-                vfma(vload_high4(w, c), d_lo, m_lo), vfma(vload_high4(w, c + LANES), d_hi, m_hi))
-    c, c2 = codes + j * PANEL, codes + (j + 16) * PANEL
-    return (vmul(vload_i8(w, c), d_lo), vmul(vload_i8(w, c + LANES), d_hi),
-            vmul(vload_i8(w, c2), d_lo), vmul(vload_i8(w, c2 + LANES), d_hi))
-
-
-@njit(fastmath=True, inline="always", cache=CACHE)
-def _block_sum(x, at):
-    """x[at : at + 32].sum() as a float32 (one GGUF block of a row of x)."""
-    s = vload(x, at)
-    for i in range(LANES, GGUF_BLOCK, LANES):
-        s = vadd(s, vload(x, at + i))
-    return vsum(s)
-
-
-@njit(fastmath=True, inline="always", cache=CACHE)
-def _block_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
-    """Every row of x times panel p of a q4_1 or q8_0 weight: each block's d (and m) widened once,
-    its codes a pair of k at a time (j and j + 16), each block's sums then added to the totals."""
-    size = (20 if fmt == Q4_1 else 34) * PANEL             # bytes of one block of a panel
-    blocks = k_dim // GGUF_BLOCK
-    base = p * blocks * size
-    codes_from = 4 * PANEL if fmt == Q4_1 else 2 * PANEL
-    m = 0
-    while TILE_ROWS == 8 and m + 8 <= rows:               # AVX-512: 8 rows share each widened k
-        t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
-        t4 = u4 = t5 = u5 = t6 = u6 = t7 = u7 = vzero()
-        r = m * k_dim
-        for b in range(blocks):
-            at = base + b * size
-            d_lo, d_hi, m_lo, m_hi = block_scales(w, at)
-            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
-            a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = vzero()
-            k = b * GGUF_BLOCK
-            for j in range(16):
-                lo, hi, lo2, hi2 = block_at(w, fmt, at + codes_from, j, d_lo, d_hi, m_lo, m_hi)
-                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k + j, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3)
-                a4, b4, a5, b5, a6, b6, a7, b7 = _four_rows(x, r + 4 * k_dim, k_dim, k + j, lo, hi,
-                                                            a4, b4, a5, b5, a6, b6, a7, b7)
-                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k + 16 + j, lo2, hi2,
-                                                            a0, b0, a1, b1, a2, b2, a3, b3)
-                a4, b4, a5, b5, a6, b6, a7, b7 = _four_rows(x, r + 4 * k_dim, k_dim, k + 16 + j, lo2, hi2,
-                                                            a4, b4, a5, b5, a6, b6, a7, b7)
-            t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
-                                                            a0, b0, a1, b1, a2, b2, a3, b3)
-            t4, u4, t5, u5, t6, u6, t7, u7 = _add_four_rows(t4, u4, t5, u5, t6, u6, t7, u7,
-                                                            a4, b4, a5, b5, a6, b6, a7, b7)
-        o = m * n_dim + p * PANEL
-        _store_four_rows(out, o, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
-        _store_four_rows(out, o + 4 * n_dim, n_dim, t4, u4, t5, u5, t6, u6, t7, u7)
-        m += 8
-    while m + 4 <= rows:
-        t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
-        r = m * k_dim
-        for b in range(blocks):
-            at = base + b * size
-            d_lo, d_hi, m_lo, m_hi = block_scales(w, at)
-            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
-            k = b * GGUF_BLOCK
-            for j in range(16):
-                lo, hi, lo2, hi2 = block_at(w, fmt, at + codes_from, j, d_lo, d_hi, m_lo, m_hi)
-                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k + j, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3)
-                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k + 16 + j, lo2, hi2,
-                                                            a0, b0, a1, b1, a2, b2, a3, b3)
-            t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
-                                                            a0, b0, a1, b1, a2, b2, a3, b3)
-        _store_four_rows(out, m * n_dim + p * PANEL, n_dim, t0, u0, t1, u1, t2, u2, t3, u3)
-        m += 4
-    while m < rows:
-        t0 = u0 = vzero()
-        r = m * k_dim
-        for b in range(blocks):
-            at = base + b * size
-            d_lo, d_hi, m_lo, m_hi = block_scales(w, at)
-            # one row: the codes' sums first, sum_k x q, scaled once a block (d sum x q + m sum x):
-            # a multiply-add a weight fewer than widening each one
-            a0 = b0 = vzero()
-            k = r + b * GGUF_BLOCK
-            c = at + codes_from
-            for j in range(16):
-                x0, x1 = vbroadcast(x, k + j), vbroadcast(x, k + 16 + j)
-                if fmt == Q4_1:
-                    a0, b0 = vfma(x0, vload_low4(w, c), a0), vfma(x0, vload_low4(w, c + LANES), b0)
-                    a0, b0 = vfma(x1, vload_high4(w, c), a0), vfma(x1, vload_high4(w, c + LANES), b0)
-                    c += PANEL
-                else:
-                    a0, b0 = vfma(x0, vload_i8(w, c), a0), vfma(x0, vload_i8(w, c + LANES), b0)
-                    c2 = c + 16 * PANEL
-                    a0, b0 = vfma(x1, vload_i8(w, c2), a0), vfma(x1, vload_i8(w, c2 + LANES), b0)
-                    c += PANEL
-            t0, u0 = vfma(d_lo, a0, t0), vfma(d_hi, b0, u0)
-            if fmt == Q4_1:                                 # + m times the block's sum of x
-                xsum = vsplat(_block_sum(x, k))
-                t0, u0 = vfma(m_lo, xsum, t0), vfma(m_hi, xsum, u0)
-        vstore(out, m * n_dim + p * PANEL, t0); vstore(out, m * n_dim + p * PANEL + LANES, u0)  # noqa: E702
-        m += 1
-
-
 @njit(fastmath=True, cache=CACHE)
 def quant_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
     """Every row of x (flat, rows x k_dim; rows 1 or a multiple of 4) times panel p of a
@@ -350,9 +237,9 @@ def quant_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
     elif fmt == INT8:
         _dense_rows(x, w, INT8, k_dim, rows, out, n_dim, p)
     elif fmt == Q4_1:
-        _block_rows(x, w, Q4_1, k_dim, rows, out, n_dim, p)
+        block_rows(x, w, Q4_1, k_dim, rows, out, n_dim, p)
     else:
-        _block_rows(x, w, Q8_0, k_dim, rows, out, n_dim, p)
+        block_rows(x, w, Q8_0, k_dim, rows, out, n_dim, p)
 
 
 @njit(fastmath=True, parallel=True, cache=CACHE)

@@ -15,7 +15,8 @@ from numba import njit, prange
 
 from .panel_gemm import PANEL
 from ..weight_formats import GGUF_BLOCK
-from .quant_panels import BF16, CACHE, INT8, Q4_1, Q8_0, QuantPanelWeight, block_at, block_scales, dense_at
+from .quant_blocks import Q4_1, Q8_0, block_at, block_scales
+from .quant_panels import BF16, CACHE, INT8, QuantPanelWeight, dense_at
 from .simd import LANES, vload, vload_f32b, vmul, vsplat, vstore
 
 
@@ -47,7 +48,7 @@ def _widen_blocks(w, fmt, k_dim, p, scratch):
     codes_from = 4 * PANEL if fmt == Q4_1 else 2 * PANEL
     for b in range(blocks):
         at = p * blocks * size + b * size
-        d_lo, d_hi, m_lo, m_hi = block_scales(w, at)
+        d_lo, d_hi, m_lo, m_hi = block_scales(w, at, fmt)
         for j in range(16):
             lo, hi, lo2, hi2 = block_at(w, fmt, at + codes_from, j, d_lo, d_hi, m_lo, m_hi)
             k = b * GGUF_BLOCK + j

@@ -29,8 +29,8 @@ and gives a register of float32s:
     vload_bf16(b, i)     bfloat16 bits, shifted into the top half of each float32
     vload_i8(b, i)       int8 codes, converted
     vload_f16(b, i)      float16 values (a GGUF block's d and m), converted
-    vload_low4(b, i)     the low 4 bits of each byte (0..15), converted
-    vload_high4(b, i)    the high 4 bits of each byte, converted
+    vload_low4_unit(b, i)   1 + q / 16 for the low 4 bits q of each byte (integer operations only)
+    vload_high4_unit(b, i)  1 + q / 16 for the high 4 bits
     vload_f32b(b, i)     float32s stored in the bytes (a panel's int8 scales)
 
 (checked against their NumPy meaning in ``tests/test_weight_formats.py``; a caller keeps
@@ -308,14 +308,26 @@ vload_i8 = intrinsic(_byte_load(ir.IntType(8), lambda builder, v: builder.sitofp
 vload_i8.__doc__ = "b[i : i + LANES].view(np.int8).astype(np.float32)"
 vload_f16 = intrinsic(_byte_load(ir.HalfType(), lambda builder, v: builder.fpext(v, _VECTOR)))
 vload_f16.__doc__ = "b[i : i + 2 LANES].view(np.float16).astype(np.float32)"
-vload_low4 = intrinsic(_byte_load(ir.IntType(8), lambda builder, v: builder.uitofp(
-    builder.and_(v, _splat_int(8, 15)), _VECTOR)))
-vload_low4.__doc__ = "(b[i : i + LANES] & 15).astype(np.float32)"
-vload_high4 = intrinsic(_byte_load(ir.IntType(8), lambda builder, v: builder.uitofp(
-    builder.lshr(v, _splat_int(8, 4)), _VECTOR)))
-vload_high4.__doc__ = "(b[i : i + LANES] >> 4).astype(np.float32)"
 vload_f32b = intrinsic(_byte_load(ir.FloatType(), lambda builder, v: v))
 vload_f32b.__doc__ = "b[i : i + 4 LANES].view(np.float32)"
+
+
+def _unit_nibble(shift: int):
+    """1 + q / 16 for the 4-bit code q at bit ``shift`` of each byte: the code moved into the
+    top of a float32's mantissa under 1.0's exponent, with integer operations only (no
+    conversion on the floating-point ports the multiply-adds need)."""
+    def widen(builder, v):
+        wide = builder.zext(v, ir.VectorType(ir.IntType(32), LANES))
+        code = builder.and_(wide, _splat_int(32, 15 << shift))
+        bits = builder.or_(builder.shl(code, _splat_int(32, 19 - shift)), _splat_int(32, 0x3F800000))
+        return builder.bitcast(bits, _VECTOR)
+    return widen
+
+
+vload_low4_unit = intrinsic(_byte_load(ir.IntType(8), _unit_nibble(0)))
+vload_low4_unit.__doc__ = "1 + (b[i : i + LANES] & 15).astype(np.float32) / 16, exactly"
+vload_high4_unit = intrinsic(_byte_load(ir.IntType(8), _unit_nibble(4)))
+vload_high4_unit.__doc__ = "1 + (b[i : i + LANES] >> 4).astype(np.float32) / 16, exactly"
 
 
 @intrinsic
