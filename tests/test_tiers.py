@@ -24,7 +24,7 @@ from minipaged.model.config import LlamaConfig
 from minipaged.model.llama import LlamaModel
 from minipaged.model.random_llama import random_tensors, tiny_config
 from test_engine import GREEDY, random_prompts
-from tiny_model import make_llm
+from tiny_model import make_llm, prefill_then_decode
 
 ROOT = Path(__file__).resolve().parents[1]
 TIERS = ("simple", "fast")
@@ -75,22 +75,10 @@ def test_the_tiers_compute_the_same_logits(tiny_model_dir):
     config = tiny_config()
     cfg = LlamaConfig.from_dict(config)
     tensors = random_tensors(config, 3)
-    block_size, prompt = 4, 13
+    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, size=14)      # a prompt of 13, then a decode
     table = np.array([[5, 2, 7, 0]], np.int32)
-    slots = np.array([table[0, p // block_size] * block_size + p % block_size for p in range(prompt + 1)])
-    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, size=prompt + 1)
-    logits = {}
-    for ops in (SimpleOps(), FastOps()):
-        model = LlamaModel(cfg, tensors, ops)
-        kv = np.zeros(kv_cache_shape(cfg.num_hidden_layers, 8, cfg.num_key_value_heads, block_size, cfg.head_dim),
-                      np.float32)   # (layers, 2, blocks, kv_heads, block, head_dim)
-        pre = AttentionMetadata(slots[:prompt], np.array([0, prompt], np.int32), np.array([prompt], np.int32),
-                                table, prompt, prompt)
-        first = model.forward(ids[:prompt], np.arange(prompt), kv, pre, np.array([prompt - 1]))
-        step = AttentionMetadata(slots[prompt:], np.array([0, 1], np.int32), np.array([prompt + 1], np.int32),
-                                 table, 1, prompt + 1)
-        logits[ops.name] = np.concatenate([first, model.forward(ids[prompt:], np.array([prompt]), kv, step,
-                                                                np.array([0]))])
+    logits = {ops.name: prefill_then_decode(LlamaModel(cfg, tensors, ops), cfg, ids, table, 4)
+              for ops in (SimpleOps(), FastOps())}
     np.testing.assert_allclose(logits["simple"], logits["fast"], rtol=1e-4, atol=1e-4)
 
 

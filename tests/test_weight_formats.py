@@ -25,7 +25,6 @@ from minipaged.kernels.fast.quant_panels import pack, quant_panel_linear
 from minipaged.kernels.fast.panel_gemm import PANEL
 from minipaged.kernels.fast.simd import (LANES, vload_bf16, vload_f16, vload_f32b, vload_high4_unit, vload_i8,
                                         vload_low4_unit, vstore)
-from minipaged.kernels.layout import AttentionMetadata, kv_cache_shape
 from minipaged.kernels.simple import SimpleOps
 from minipaged.kernels.weight_formats import QUANTIZED_FORMATS, QuantizedWeight, concat_rows, quantize
 from minipaged.model.config import LlamaConfig
@@ -36,7 +35,7 @@ from minipaged.model.random_llama import random_tensors, tiny_config, write_tiny
 from minipaged.model.reference import reference_logits
 from minipaged.model.weights import load_checkpoint, quantize_matrices
 from numba import njit
-from tiny_model import make_llm
+from tiny_model import make_llm, prefill_then_decode
 
 GGUF_KINDS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -165,27 +164,18 @@ def test_a_quantized_model_computes_its_dequantized_weights_on_both_tiers(fmt):
     cfg = LlamaConfig.from_dict(config)
     tensors = random_tensors(config, 5)
     tensors = quantize_matrices(tensors, fmt)   # as load_weights gives them (a GGUF's: its blocks)
-    block_size, prompt = 4, 11
-    table = np.array([[3, 1, 6, 0]], np.int32)
-    slots = np.array([table[0, p // block_size] * block_size + p % block_size for p in range(prompt + 1)])
+    prompt = 11
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, size=prompt + 1)
     logits = {}
     for ops in (SimpleOps(), FastOps()):
         model = LlamaModel(cfg, tensors, ops)
         assert all(isinstance(w, QuantizedWeight) for w in (model.layers[0].qkv, model.embed)) or ops.name == "fast"
-        kv = np.zeros(kv_cache_shape(cfg.num_hidden_layers, 8, cfg.num_key_value_heads, block_size, cfg.head_dim),
-                      np.float32)             # (layers, 2, blocks, kv_heads, block, head_dim)
-        pre = AttentionMetadata(slots[:prompt], np.array([0, prompt], np.int32), np.array([prompt], np.int32),
-                                table, prompt, prompt)
-        first = model.forward(ids[:prompt], np.arange(prompt), kv, pre, np.array([prompt - 1]))
-        step = AttentionMetadata(slots[prompt:], np.array([0, 1], np.int32), np.array([prompt + 1], np.int32),
-                                 table, 1, prompt + 1)
-        if ops.name == "fast":                # the decode step runs as one persistent kernel
-            plan = ops.plan_step(model.weights, step, kv)
-            assert model.weights.tier_state.persistent is not None and model.weights.tier_state.quantized
-            assert plan.path == "numba"
-        logits[ops.name] = np.concatenate([first, model.forward(ids[prompt:], np.array([prompt]), kv, step,
-                                                                np.array([0]))])
+
+        def runs_persistent(kv, step, model=model, ops=ops):   # the decode step runs as one persistent kernel
+            if ops.name == "fast":
+                assert model.weights.tier_state.persistent is not None and model.weights.tier_state.quantized
+                assert ops.plan_step(model.weights, step, kv).path == "numba"
+        logits[ops.name] = prefill_then_decode(model, cfg, ids, np.array([[3, 1, 6, 0]], np.int32), 4, runs_persistent)
     widened = {n: t.dequantize() if isinstance(t, QuantizedWeight) else t for n, t in tensors.items()}
     reference = reference_logits(cfg, widened, ids.tolist())[[prompt - 1, prompt]]   # (2, vocab)
     for name, got in logits.items():
