@@ -208,15 +208,15 @@ _OTHER_WIDTH_CHECK = textwrap.dedent("""
     logits = rng.standard_normal((3, 300), dtype=np.float32)            # the sampler's normaliser, on it
     want = np.log(np.exp(logits.astype(np.float64)).sum(axis=1))
     np.testing.assert_allclose(elementwise.logsumexp(logits), want, rtol=1e-5)
-    # GGUF's blocks at this width: a single row, a tile of 4, and 28 rows (a wide tile, then what
-    # is left to the narrower ones)
+    # the quantized panels at this width: a single row, and runs of k widened for the float32
+    # tiles (4 rows; 12: a pair of AVX2's tiles of 6; 28: tiles of 8, then 4), over two runs of k
     from minipaged.kernels.fast.quant_panels import pack as pack_quant, quant_panel_linear
     from minipaged.kernels.weight_formats import quantize
-    w = (0.05 * rng.standard_normal((3 * PANEL - 5, 96))).astype(np.float32)
-    for fmt in ("q4_1", "q8_0"):
+    w = (0.05 * rng.standard_normal((3 * PANEL - 5, 160))).astype(np.float32)
+    for fmt in ("bfloat16", "int8", "q4_1", "q8_0"):
         q = quantize(w, fmt)
-        for rows in (1, 4, 28):
-            x = rng.standard_normal((rows, 96), dtype=np.float32)
+        for rows in (1, 4, 12, 28):
+            x = rng.standard_normal((rows, 160), dtype=np.float32)
             want = x.astype(np.float64) @ q.dequantize().T.astype(np.float64)
             np.testing.assert_allclose(quant_panel_linear(x, pack_quant(q), 2), want, rtol=2e-5,
                                        atol=2e-5 * np.abs(want).max())

@@ -132,14 +132,15 @@ def test_the_byte_loads_widen_as_numpy_does():
 @pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
 @pytest.mark.parametrize("shape", [(PANEL, 64), (3 * PANEL - 5, 96), (40, 320)])
 def test_quantized_panels_multiply_as_the_spec(fmt, shape):
-    """Every row count a decode step has (1, 2-3 padded to 4, tiles of 4 and 8, GGUF's wide tiles
-    of 16: 16, 28 = 16 + 8 + 4 with AVX-512), out padded to whole panels, runs of k over K_RUN:
-    x @ w.dequantize().T within float32 rounding."""
+    """Every row count a decode step has (1: the codes multiplied in registers; 2-3 padded to 4,
+    and tiles of 4, 8 and AVX2's 6 over runs of k widened on the stack: 12, 16, 28 = 8 + 8 + 8 +
+    4), out padded to whole panels, runs of k over K_RUN (320 = 128 + 128 + 64): x @
+    w.dequantize().T within float32 rounding."""
     rng = np.random.default_rng(4)
     q = quantize(_weight(rng, *shape), fmt)
     panels = pack(q)
     assert panels.nbytes == -(-shape[0] // PANEL) * PANEL * (q.nbytes // shape[0])   # out padded to whole panels
-    for rows in (1, 2, 3, 4, 9, 16, 28):
+    for rows in (1, 2, 3, 4, 9, 12, 16, 28):
         x = rng.standard_normal((rows, shape[1])).astype(np.float32)
         expected = x.astype(np.float64) @ q.dequantize().T.astype(np.float64)     # (rows, out)
         got = quant_panel_linear(x, panels, 2)

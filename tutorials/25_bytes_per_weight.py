@@ -34,8 +34,8 @@ Exercises (also printed at the end):
   1. Run  python -m minipaged bench single-stream --quantization gguf --peer llamacpp  (the
      peers extra: pip install -e ".[peers]") and then with --quantization int8. Which is
      faster here, and why can int8, with 40% more bytes than the GGUF's blocks, come close? (Count the
-     instructions a weight costs: kernels/fast/quant_blocks.py's block_rows and
-     kernels/fast/quant_panels.py's _dense_rows.)
+     instructions a weight costs in a single row: kernels/fast/quant_blocks.py's block_row and
+     kernels/fast/quant_panels.py's dense_row.)
   2. Run  python -m minipaged bench roofline --quantization gguf --batch-sizes 1,8,32. Where does
      the step stop being bound by the weights' bytes? What does the 'layers' line say the rest
      of a B=1 step is spent on?

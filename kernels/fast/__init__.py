@@ -12,8 +12,8 @@
 ``linear.py``       which engine multiplies a linear layer; the skinny kernel
 ``panel_gemm.py``   weights in panels, multiplied in registers
 ``quant_panels.py`` quantized weights in panels (bfloat16, int8, GGUF's blocks), widened in registers
-``quant_blocks.py`` GGUF's Q4_1 / Q8_0 blocks multiplied in registers: a single row, tiles, wide tiles
-``quant_widen.py``  a quantized weight widened whole to float32, for a prefill's BLAS
+``quant_blocks.py`` GGUF's Q4_1 / Q8_0 blocks in registers: their scales, a widened pair of k, a single row
+``quant_widen.py``  quantized panels widened to float32: runs on the stack for the tiles, or whole for BLAS
 ``packed_gemm.py``  oneMKL's packed sgemm, loaded with ctypes
 ``linear_paths.py`` which engine each kind of step takes, ``LinearPaths``
 ``persistent_decode.py``  every layer of a decode step in one parallel region

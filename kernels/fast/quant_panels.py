@@ -12,13 +12,14 @@ flat uint8 array per weight, panel after panel, each ``panel_bytes`` long:
   each feature: GGUF's own bytes (20 per 32 weights), regrouped by panel;
 - "q8_0": for each block of 32 k: PANEL float16 d, then 32 rows of PANEL int8 codes.
 
-The kernel loads a row of codes, widens it to float32 in registers (``simd.py``'s byte loads)
-and multiplies as the float32 panels do, so only the compact bytes cross the memory bus. Here
-are bfloat16's and int8's loops (``_dense_rows``): every sum runs over at most 128 k before
-joining its row's total, and an int8 row's total is then scaled; tiles of 8 rows of x (AVX-512;
-4 with AVX2's 16 registers) share each widened weight, and a single row has its own loop.
-GGUF's blocks have theirs in ``quant_blocks.py``. (A prefill widens the whole weight for BLAS instead: ``quant_widen.py``.)
-``QuantizedWeight.dequantize()`` followed by ``x @ w.T`` is the spec (``tests/test_weight_formats.py``).
+A single row (a one-sequence step, bound by reading the weight) multiplies the codes as it
+loads them, widened in registers (``simd.py``'s byte loads): here for bfloat16 and int8
+(``dense_row``: its sums over at most K_RUN k, an int8 row's total then scaled), in
+``quant_blocks.py`` for GGUF's blocks. Two rows and more widen each run of a panel once into a
+page on the stack and run the float32 panels' tiles over it (``quant_widen.py``), so only the
+compact bytes cross the memory bus either way. (A prefill widens the whole weight for BLAS:
+``quant_widen.widen_transposed``.) ``QuantizedWeight.dequantize()`` followed by ``x @ w.T`` is
+the spec (``tests/test_weight_formats.py``).
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from numba.extending import overload
 
 from ..weight_formats import BLOCK_BYTES, GGUF_BLOCK, QuantizedWeight
 from .borrowed import borrowed
-from .quant_blocks import Q4_1, Q8_0, block_rows
-from .panel_gemm import K_RUN, PANEL, ROW_TILE, TILE_ROWS, _add_four_rows, _four_rows, _store_four_rows, panel_rows
-from .simd import LANES, SIMD_CACHE, vadd, vbroadcast, vfma, vload_bf16, vload_f32b, vload_i8, vmul, vsplat, vstore, vzero
+from .panel_gemm import K_RUN, PANEL, ROW_TILE, panel_rows
+from .quant_blocks import Q4_1, Q8_0, block_row
+from .quant_widen import BF16, INT8, dense_at, widened_rows
+from .simd import LANES, SIMD_CACHE, vadd, vbroadcast, vfma, vload_f32b, vmul, vsplat, vstore, vzero
 
-BF16, INT8 = 1, 2                                   # (GGUF's: quant_blocks.Q4_1, Q8_0)
 FORMAT_CODES = {"bfloat16": BF16, "int8": INT8, "q4_1": Q4_1, "q8_0": Q8_0}   # a panel's format, as the kernels name it
 CACHE = SIMD_CACHE
 
@@ -157,70 +158,24 @@ def quant_panel_linear(x: np.ndarray, w: QuantPanelWeight, num_threads: int) -> 
 # --------------------------------------------------------------------------- the kernels
 
 @njit(fastmath=True, inline="always", cache=CACHE)
-def dense_at(w, fmt, at):
-    """The two registers of weights of one k of a bfloat16 or int8 panel (row at byte ``at``)."""
-    if fmt == BF16:
-        return vload_bf16(w, at), vload_bf16(w, at + 2 * LANES)
-    return vload_i8(w, at), vload_i8(w, at + LANES)
-
-
-@njit(fastmath=True, inline="always", cache=CACHE)
-def _dense_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
-    """Every row of x times panel p of a bfloat16 or int8 weight (``fmt``, a constant where
-    this is inlined), into out's columns [PANEL p, PANEL (p + 1))."""
+def dense_row(x, w, fmt, k_dim, out, p):
+    """The one row of x times panel p of a bfloat16 or int8 weight (``fmt``, a constant where
+    this is inlined), into out[PANEL p : PANEL (p + 1)]: a multiply-add a weight as it is
+    widened, sums over K_RUN k joining the total, an int8 row's total scaled once."""
     width = 2 * PANEL if fmt == BF16 else PANEL            # bytes of one k
     base = p * (k_dim * width + (4 * PANEL if fmt == INT8 else 0))
     s_lo = s_hi = vsplat(np.float32(1.0))
     if fmt == INT8:                                         # the panel's scales, after its codes
         s_lo, s_hi = vload_f32b(w, base + k_dim * width), vload_f32b(w, base + k_dim * width + 4 * LANES)
-    m = 0
-    while TILE_ROWS == 8 and m + 8 <= rows:               # AVX-512: 8 rows share each widened k
-        t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
-        t4 = u4 = t5 = u5 = t6 = u6 = t7 = u7 = vzero()
-        r = m * k_dim
-        for k0 in range(0, k_dim, K_RUN):
-            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
-            a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = vzero()
-            for k in range(k0, min(k0 + K_RUN, k_dim)):
-                lo, hi = dense_at(w, fmt, base + k * width)
-                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3)
-                a4, b4, a5, b5, a6, b6, a7, b7 = _four_rows(x, r + 4 * k_dim, k_dim, k, lo, hi,
-                                                            a4, b4, a5, b5, a6, b6, a7, b7)
-            t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
-                                                            a0, b0, a1, b1, a2, b2, a3, b3)
-            t4, u4, t5, u5, t6, u6, t7, u7 = _add_four_rows(t4, u4, t5, u5, t6, u6, t7, u7,
-                                                            a4, b4, a5, b5, a6, b6, a7, b7)
-        o = m * n_dim + p * PANEL
-        _store_four_rows(out, o, n_dim, vmul(t0, s_lo), vmul(u0, s_hi), vmul(t1, s_lo), vmul(u1, s_hi),
-                         vmul(t2, s_lo), vmul(u2, s_hi), vmul(t3, s_lo), vmul(u3, s_hi))
-        _store_four_rows(out, o + 4 * n_dim, n_dim, vmul(t4, s_lo), vmul(u4, s_hi), vmul(t5, s_lo), vmul(u5, s_hi),
-                         vmul(t6, s_lo), vmul(u6, s_hi), vmul(t7, s_lo), vmul(u7, s_hi))
-        m += 8
-    while m + 4 <= rows:
-        t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
-        r = m * k_dim
-        for k0 in range(0, k_dim, K_RUN):
-            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
-            for k in range(k0, min(k0 + K_RUN, k_dim)):
-                lo, hi = dense_at(w, fmt, base + k * width)
-                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3)
-            t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
-                                                            a0, b0, a1, b1, a2, b2, a3, b3)
-        _store_four_rows(out, m * n_dim + p * PANEL, n_dim, vmul(t0, s_lo), vmul(u0, s_hi), vmul(t1, s_lo),
-                         vmul(u1, s_hi), vmul(t2, s_lo), vmul(u2, s_hi), vmul(t3, s_lo), vmul(u3, s_hi))
-        m += 4
-    while m < rows:
-        t0 = u0 = vzero()
-        r = m * k_dim
-        for k0 in range(0, k_dim, K_RUN):
-            a0 = b0 = vzero()
-            for k in range(k0, min(k0 + K_RUN, k_dim)):
-                lo, hi = dense_at(w, fmt, base + k * width)
-                x0 = vbroadcast(x, r + k)
-                a0, b0 = vfma(x0, lo, a0), vfma(x0, hi, b0)
-            t0, u0 = vadd(t0, a0), vadd(u0, b0)
-        vstore(out, m * n_dim + p * PANEL, vmul(t0, s_lo)); vstore(out, m * n_dim + p * PANEL + LANES, vmul(u0, s_hi))  # noqa: E702
-        m += 1
+    t0 = u0 = vzero()
+    for k0 in range(0, k_dim, K_RUN):
+        a0 = b0 = vzero()
+        for k in range(k0, min(k0 + K_RUN, k_dim)):
+            lo, hi = dense_at(w, fmt, base + k * width)
+            x0 = vbroadcast(x, k)
+            a0, b0 = vfma(x0, lo, a0), vfma(x0, hi, b0)
+        t0, u0 = vadd(t0, a0), vadd(u0, b0)
+    vstore(out, p * PANEL, vmul(t0, s_lo)); vstore(out, p * PANEL + LANES, vmul(u0, s_hi))  # noqa: E702
 
 
 @njit(fastmath=True, cache=CACHE)
@@ -228,18 +183,26 @@ def quant_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
     """Every row of x (flat, rows x k_dim; rows 1 or a multiple of 4) times panel p of a
     quantized weight w (flat uint8 panels, format code ``fmt``), into out (flat, rows x n_dim)
     at columns [PANEL p, PANEL (p + 1)): one branch a panel, each format's loops compiled apart.
-    (Widening a panel once into a float32 scratch panel for the float32 tiles, instead of once
-    per tile, measured no faster at 8 or 32 rows: the widening then no longer overlaps the
-    reading, docs/weights.md.)"""
+    One row multiplies the codes in registers; more widen each run of the panel once, for the
+    float32 tiles (``quant_widen.widened_rows``)."""
     x, w, out = borrowed(x), borrowed(w), borrowed(out)   # no reference counts in the loops
-    if fmt == BF16:
-        _dense_rows(x, w, BF16, k_dim, rows, out, n_dim, p)
+    if rows == 1:
+        if fmt == BF16:
+            dense_row(x, w, BF16, k_dim, out, p)
+        elif fmt == INT8:
+            dense_row(x, w, INT8, k_dim, out, p)
+        elif fmt == Q4_1:
+            block_row(x, w, Q4_1, k_dim, out, p)
+        else:
+            block_row(x, w, Q8_0, k_dim, out, p)
+    elif fmt == BF16:
+        widened_rows(x, w, BF16, k_dim, rows, out, n_dim, p)
     elif fmt == INT8:
-        _dense_rows(x, w, INT8, k_dim, rows, out, n_dim, p)
+        widened_rows(x, w, INT8, k_dim, rows, out, n_dim, p)
     elif fmt == Q4_1:
-        block_rows(x, w, Q4_1, k_dim, rows, out, n_dim, p)
+        widened_rows(x, w, Q4_1, k_dim, rows, out, n_dim, p)
     else:
-        block_rows(x, w, Q8_0, k_dim, rows, out, n_dim, p)
+        widened_rows(x, w, Q8_0, k_dim, rows, out, n_dim, p)
 
 
 @njit(fastmath=True, parallel=True, cache=CACHE)

@@ -20,7 +20,8 @@ is an LLVM ``<LANES x float>``, and eleven intrinsics work on it:
     vmax_lanes(a)        a.max(): the largest lane, as one float32
     vsum(a)              a.sum(): the lanes added into one float32
 
-and one memory hint beside them, ``prefetch(arr, byte_offset)``, which changes no value.
+and one memory hint beside them, ``prefetch(arr, byte_offset)``, which changes no value, and
+one scratch page, ``stack_floats(n)``: n float32s on the kernel's stack.
 
 Six more widen a compact weight (``kernels/weight_formats.py``) as it is loaded: each reads
 LANES values from a 1-D uint8 array at a *byte* offset (a quantized panel, ``quant_panels.py``)
@@ -328,6 +329,27 @@ vload_low4_unit = intrinsic(_byte_load(ir.IntType(8), _unit_nibble(0)))
 vload_low4_unit.__doc__ = "1 + (b[i : i + LANES] & 15).astype(np.float32) / 16, exactly"
 vload_high4_unit = intrinsic(_byte_load(ir.IntType(8), _unit_nibble(4)))
 vload_high4_unit.__doc__ = "1 + (b[i : i + LANES] >> 4).astype(np.float32) / 16, exactly"
+
+
+@intrinsic
+def stack_floats(typingctx, n):
+    """np.empty(n, np.float32) on the calling kernel's stack, for that call's life (n a constant):
+    a scratch page that costs no allocation (``quant_widen.py`` widens runs of a panel into one)"""
+    if not isinstance(n, nb_types.IntegerLiteral):
+        return None
+    size = n.literal_value
+    array = nb_types.Array(nb_types.float32, 1, "C")
+
+    def codegen(context, builder, sig, args):
+        with builder.goto_entry_block():        # one slot of the frame, not one per loop pass
+            data = builder.alloca(ir.ArrayType(ir.FloatType(), size))
+            data.align = 64
+        intp = context.get_value_type(nb_types.intp)
+        view = context.make_array(array)(context, builder)
+        context.populate_array(view, data=builder.bitcast(data, ir.FloatType().as_pointer()),
+                               shape=[intp(size)], strides=[intp(4)], itemsize=intp(4), meminfo=None)
+        return view._getvalue()
+    return array(n), codegen
 
 
 @intrinsic
