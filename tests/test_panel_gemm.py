@@ -19,7 +19,7 @@ from minipaged.kernels.fast import linear as fast_linear
 from minipaged.kernels.fast.tuning import DEFAULT_TUNING
 from minipaged.kernels.fast.panel_gemm import PANEL, TILE_ROWS, PanelWeight, pack, panel_linear
 from minipaged.kernels.fast.simd import (LANES, LANES_ENV, REGISTERS, host_vector_shape, vadd, vbroadcast, vfma,
-                                    vload, vmax, vmax_lanes, vmul, vsplat, vstore, vsum, vzero)
+                                    stack_floats, vload, vmax, vmax_lanes, vmul, vsplat, vstore, vsum, vzero)
 
 
 @njit(cache=False)
@@ -66,6 +66,29 @@ def test_each_simd_intrinsic_means_its_numpy_expression():
     assert total == _halving_sum(a[:LANES].copy()) and isinstance(total, float)
     assert top == c[:LANES].max() == 9.0
     assert (out[4, :5] == 7.0).all() and (out[:4, LANES:] == 7.0).all()   # nothing past a register
+
+
+_PAGE = 3 * LANES
+
+
+@njit(cache=False)
+def _stack_pages(x, times):
+    """Each pass fills the stack page (one slot of the frame, reused pass after pass) with x * i,
+    one register through vstore and the rest by index, and sums it."""
+    sums = np.zeros(times, np.float32)
+    for i in range(times):
+        page = stack_floats(_PAGE)                                # (3 LANES,) float32
+        vstore(page, 0, vmul(vload(x, 0), vsplat(np.float32(i))))
+        for j in range(LANES, _PAGE):
+            page[j] = x[j] * i
+        sums[i] = page.sum()
+    return sums
+
+
+def test_a_stack_page_holds_what_is_written_to_it():
+    """``stack_floats(n)``: n float32s on the kernel's stack, written and read as an array."""
+    x = np.arange(_PAGE, dtype=np.float32)
+    np.testing.assert_array_equal(_stack_pages(x, 4), np.array([x.sum() * i for i in range(4)], np.float32))
 
 
 def test_pack_lays_panels_out_as_documented():

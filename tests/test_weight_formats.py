@@ -155,6 +155,21 @@ def test_quantized_panels_multiply_as_the_spec(fmt, shape):
     np.testing.assert_allclose(quantized_linear(x, panels, tuning), x @ q.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
+@pytest.mark.parametrize("in_features", [33, 161])
+def test_dense_formats_take_rows_of_any_width(fmt, in_features):
+    """bfloat16 and int8 need no blocks: rows of 33 and 161 weights (a short last run of k after
+    K_RUN) multiply as the spec for a single row and for the widened tiles."""
+    rng = np.random.default_rng(5)
+    q = quantize(_weight(rng, 40, in_features), fmt)
+    panels = pack(q)
+    for rows in (1, 4, 12, 28):
+        x = rng.standard_normal((rows, in_features)).astype(np.float32)
+        expected = x.astype(np.float64) @ q.dequantize().T.astype(np.float64)     # (rows, 40)
+        np.testing.assert_allclose(quant_panel_linear(x, panels, 2), expected, rtol=2e-5,
+                                   atol=2e-5 * np.abs(expected).max())
+
+
 # --------------------------------------------------------------------------- whole models
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "q4_1"])

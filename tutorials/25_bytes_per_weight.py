@@ -19,7 +19,8 @@ engine in each format: the time a token, against that ceiling, and the tokens th
 
 The OS analogy: compressed memory (zram, squashfs). Pages kept in fewer bytes and expanded by
 the CPU as they are read, because reading the small form and expanding it beats reading the
-large one: a decode step widens each weight in registers, never in memory.
+large one: a decode step widens each weight in registers (one row) or into a small page that
+stays in the core's L1 cache (more rows), never back into a copy in memory.
 
 Timings depend on the machine and what else runs on it: they are printed, never asserted.
 What is asserted: the byte counts, the blocks' meaning (against llama.cpp's own Python

@@ -11,7 +11,7 @@
 ``prompt_attention.py``     long prompts' attention, scores in a chunk-sized scratch
 ``linear.py``       which engine multiplies a linear layer; the skinny kernel
 ``panel_gemm.py``   weights in panels, multiplied in registers
-``quant_panels.py`` quantized weights in panels (bfloat16, int8, GGUF's blocks), widened in registers
+``quant_panels.py`` quantized weights in panels (bfloat16, int8, GGUF's blocks); a row's loops in registers
 ``quant_blocks.py`` GGUF's Q4_1 / Q8_0 blocks in registers: their scales, a widened pair of k, a single row
 ``quant_widen.py``  quantized panels widened to float32: runs on the stack for the tiles, or whole for BLAS
 ``packed_gemm.py``  oneMKL's packed sgemm, loaded with ctypes

@@ -158,8 +158,9 @@ def linear(x: np.ndarray, w: np.ndarray, packed=None, tuning: FastTuning = DEFAU
 
 def quantized_linear(x: np.ndarray, panels: QuantPanelWeight, tuning: FastTuning = DEFAULT_TUNING) -> np.ndarray:
     """x (T, in) times a quantized weight held as its panels only (``quant_panels.py``) -> (T, out):
-    up to ``panel_max_rows`` rows (decode steps) widen the weight in registers; a prefill's rows
-    (arithmetic-bound: the widening is a small part) widen it to float32 for numpy's BLAS."""
+    up to ``panel_max_rows`` rows (decode steps) widen it as they read it (``quant_rows``); a
+    prefill's rows (arithmetic-bound: the widening is a small part) widen it to float32 for
+    numpy's BLAS."""
     if x.ndim != 2 or x.shape[1] != panels.in_features:
         raise ValueError(f"linear: x {x.shape} does not fit a {panels.shape} weight: x must be (T, in)")
     x = np.asarray(x, np.float32)

@@ -60,7 +60,8 @@ def unit_codes(w, c):
 @njit(fastmath=True, inline="always", cache=CACHE)
 def block_at(w, fmt, codes, j, d_lo, d_hi, m_lo, m_hi):
     """Weights 32 b + j of a GGUF block (codes row at byte ``codes``), widened: (lo, hi) of the
-    first row of the pair; q4_1 also gives weight 32 b + 16 + j from the same bytes."""
+    first row of the pair, then weight 32 b + 16 + j's (q4_1: the same bytes' high nibbles;
+    q8_0: codes row j + 16)."""
     if fmt == Q4_1:
         c = codes + j * PANEL
         lo, lo2 = unit_codes(w, c)

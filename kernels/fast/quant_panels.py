@@ -1,5 +1,5 @@
 """Quantized panels: a compact weight (``kernels/weight_formats.py``) laid out for the decode
-step's product and widened in registers (compressed pages, expanded by the CPU as they are read).
+step's product and widened back to float32 as it is read (compressed pages, expanded by the CPU).
 
 The float32 panels (``panel_gemm.py``) hold PANEL output features side by side for each k, so
 one k is two registers of weights. A quantized panel keeps the same order in fewer bytes, one
@@ -34,8 +34,8 @@ from ..weight_formats import BLOCK_BYTES, GGUF_BLOCK, QuantizedWeight
 from .borrowed import borrowed
 from .panel_gemm import K_RUN, PANEL, ROW_TILE, panel_rows
 from .quant_blocks import Q4_1, Q8_0, block_row
-from .quant_widen import BF16, INT8, dense_at, widened_rows
-from .simd import LANES, SIMD_CACHE, vadd, vbroadcast, vfma, vload_f32b, vmul, vsplat, vstore, vzero
+from .quant_widen import BF16, INT8, RUN_FLOATS, dense_at, widened_rows
+from .simd import LANES, SIMD_CACHE, stack_floats, vadd, vbroadcast, vfma, vload_f32b, vmul, vsplat, vstore, vzero
 
 FORMAT_CODES = {"bfloat16": BF16, "int8": INT8, "q4_1": Q4_1, "q8_0": Q8_0}   # a panel's format, as the kernels name it
 CACHE = SIMD_CACHE
@@ -195,14 +195,16 @@ def quant_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
             block_row(x, w, Q4_1, k_dim, out, p)
         else:
             block_row(x, w, Q8_0, k_dim, out, p)
-    elif fmt == BF16:
-        widened_rows(x, w, BF16, k_dim, rows, out, n_dim, p)
+        return
+    page = stack_floats(RUN_FLOATS)       # (K_RUN, PANEL) float32: one slot of this frame, in L1
+    if fmt == BF16:
+        widened_rows(x, w, BF16, k_dim, rows, out, n_dim, p, page)
     elif fmt == INT8:
-        widened_rows(x, w, INT8, k_dim, rows, out, n_dim, p)
+        widened_rows(x, w, INT8, k_dim, rows, out, n_dim, p, page)
     elif fmt == Q4_1:
-        widened_rows(x, w, Q4_1, k_dim, rows, out, n_dim, p)
+        widened_rows(x, w, Q4_1, k_dim, rows, out, n_dim, p, page)
     else:
-        widened_rows(x, w, Q8_0, k_dim, rows, out, n_dim, p)
+        widened_rows(x, w, Q8_0, k_dim, rows, out, n_dim, p, page)
 
 
 @njit(fastmath=True, parallel=True, cache=CACHE)

@@ -11,7 +11,7 @@ The OS idea is decompressing a compressed page into a page of its own (zram's sw
   the *next* panel (``prefetch``), so that its bytes stream in while the multiply-adds run, as
   the float32 panels' passes do. Measured on a 2-core Zen 5 (docs/weights.md), against
   widening in every tile's registers with no prefetch: 30 layers' products at 32 rows went from
-  1.19-1.32x float32's time to 0.97-1.08x, and at 8 rows from 0.63-0.88x to 0.48-0.62x.
+  1.19-1.38x float32's time to 0.97-1.09x, and at 8 rows from 0.63-0.88x to 0.48-0.62x.
 - **Whole, for a prefill** (``widen_transposed``): a prefill multiplies each weight by hundreds
   of rows, so BLAS's gemm on a float32 copy made for that one product, in parallel straight
   from the panels and dropped after it, beats any widening in registers.
@@ -28,7 +28,7 @@ from numba import njit, prange
 from ..weight_formats import GGUF_BLOCK
 from .panel_gemm import K_RUN, PANEL, TILE_ROWS, _add_four_rows, _four_rows, _store_four_rows, _two_rows
 from .quant_blocks import Q4_1, Q8_0, block_at, block_scales
-from .simd import (LANES, SIMD_CACHE, prefetch, stack_floats, vadd, vload, vload_bf16, vload_f32b, vload_i8,
+from .simd import (LANES, SIMD_CACHE, prefetch, vadd, vload, vload_bf16, vload_f32b, vload_i8,
                    vmul, vsplat, vstore, vzero)
 
 BF16, INT8 = 1, 2                      # (GGUF's: quant_blocks.Q4_1, Q8_0): a panel's format code
@@ -69,7 +69,8 @@ def widen_run(w, fmt, k_dim, p, k0, kn, scratch):
             s_lo, s_hi = vload_f32b(w, base + k_dim * width), vload_f32b(w, base + k_dim * width + 4 * LANES)
         for k in range(k0, k0 + kn):
             lo, hi = dense_at(w, fmt, base + k * width)
-            vstore(scratch, (k - k0) * PANEL, vmul(lo, s_lo)); vstore(scratch, (k - k0) * PANEL + LANES, vmul(hi, s_hi))  # noqa: E702
+            vstore(scratch, (k - k0) * PANEL, vmul(lo, s_lo))
+            vstore(scratch, (k - k0) * PANEL + LANES, vmul(hi, s_hi))
         return
     size = (20 if fmt == Q4_1 else 34) * PANEL                      # bytes of one block of a panel
     codes_from = 4 * PANEL if fmt == Q4_1 else 2 * PANEL
@@ -119,15 +120,14 @@ def run_tiles(x, s, k0, kn, k_dim, rows, out, n_dim, col, first, w, ahead, step)
     """Every row of x (flat, rows x k_dim; rows a multiple of 4) times one run of a widened panel
     (s: kn rows of PANEL float32s, k in [k0, k0 + kn)), joined into out's columns [col, col +
     PANEL): the float32 panels' tiles of 8 rows (pairs of 6 with AVX2), then of 4. The first
-    tile asks for the bytes at w[ahead + i * step], one i a k: the next panel's run (ahead < 0:
-    none)."""
+    tile asks for the bytes at w[ahead + i * step], one i a k: the next panel's run."""
     six_rows_end = 12 * (rows // 12) if TILE_ROWS == 6 else 0   # rows [0, end) in tiles of 6
     m = 0
     while TILE_ROWS == 8 and m + 8 <= rows:    # 16 registers of sums
         a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
         a4 = b4 = a5 = b5 = a6 = b6 = a7 = b7 = vzero()
         r = m * k_dim
-        asks = m == 0 and ahead >= 0
+        asks = m == 0
         for i in range(kn):
             lo, hi = _run_k(s, i, w, ahead, step, asks)
             a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k0 + i, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3)
@@ -139,7 +139,7 @@ def run_tiles(x, s, k0, kn, k_dim, rows, out, n_dim, col, first, w, ahead, step)
     while m < six_rows_end:                    # 12 registers of sums
         a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = a4 = b4 = a5 = b5 = vzero()
         r = m * k_dim
-        asks = m == 0 and ahead >= 0
+        asks = m == 0
         for i in range(kn):
             lo, hi = _run_k(s, i, w, ahead, step, asks)
             a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k0 + i, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3)
@@ -150,7 +150,7 @@ def run_tiles(x, s, k0, kn, k_dim, rows, out, n_dim, col, first, w, ahead, step)
     while m + 4 <= rows:                       # 8 registers of sums
         a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
         r = m * k_dim
-        asks = m == 0 and ahead >= 0
+        asks = m == 0
         for i in range(kn):
             lo, hi = _run_k(s, i, w, ahead, step, asks)
             a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, r, k_dim, k0 + i, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3)
@@ -159,12 +159,12 @@ def run_tiles(x, s, k0, kn, k_dim, rows, out, n_dim, col, first, w, ahead, step)
 
 
 @njit(fastmath=True, inline="always", cache=CACHE)
-def widened_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
+def widened_rows(x, w, fmt, k_dim, rows, out, n_dim, p, scratch):
     """Every row of x (rows a multiple of 4) times panel p of a quantized weight (``fmt``, a
     constant where this is inlined), into out's columns [PANEL p, PANEL (p + 1)): each run of
-    K_RUN k widened once into a page on the stack, then the float32 tiles over it, whose first
-    asks for the next panel's same run."""
-    scratch = stack_floats(RUN_FLOATS)                              # (K_RUN, PANEL) float32, in L1
+    K_RUN k widened once into ``scratch``, a (RUN_FLOATS,) page on the caller's stack
+    (``stack_floats``), then the float32 tiles over it, whose first asks for the next panel's
+    same run."""
     size = panel_size(fmt, k_dim)
     codes = size - 4 * PANEL if fmt == INT8 else size               # int8's scales come last
     for k0 in range(0, k_dim, K_RUN):

@@ -333,8 +333,10 @@ vload_high4_unit.__doc__ = "1 + (b[i : i + LANES] >> 4).astype(np.float32) / 16,
 
 @intrinsic
 def stack_floats(typingctx, n):
-    """np.empty(n, np.float32) on the calling kernel's stack, for that call's life (n a constant):
-    a scratch page that costs no allocation (``quant_widen.py`` widens runs of a panel into one)"""
+    """np.empty(n, np.float32) on the stack (n a constant): one slot of the frame of the compiled
+    function it ends up in (inlined callers share their caller's), reused by every pass of a
+    loop, so never returned or kept. A scratch page that costs no allocation
+    (``quant_panels.quant_rows`` widens runs of a panel into one)"""
     if not isinstance(n, nb_types.IntegerLiteral):
         return None
     size = n.literal_value
