@@ -34,20 +34,17 @@ from ..weight_formats import BLOCK_BYTES, GGUF_BLOCK, QuantizedWeight
 from .borrowed import borrowed
 from .panel_gemm import K_RUN, PANEL, ROW_TILE, panel_rows
 from .quant_blocks import Q4_1, Q8_0, block_row
-from .quant_widen import BF16, INT8, RUN_FLOATS, dense_at, widened_rows
-from .simd import LANES, SIMD_CACHE, stack_floats, vadd, vbroadcast, vfma, vload_f32b, vmul, vsplat, vstore, vzero
+from .quant_widen import BF16, INT8, RUN_FLOATS, dense_at, dense_scales, panel_size, widened_rows
+from .simd import LANES, SIMD_CACHE, stack_floats, vadd, vbroadcast, vfma, vmul, vstore, vzero
 
 FORMAT_CODES = {"bfloat16": BF16, "int8": INT8, "q4_1": Q4_1, "q8_0": Q8_0}   # a panel's format, as the kernels name it
 CACHE = SIMD_CACHE
 
 
 def panel_bytes(fmt: str, in_features: int) -> int:
-    """Bytes of one panel of a weight with ``in_features`` columns in format ``fmt``."""
-    if fmt == "bfloat16":
-        return 2 * PANEL * in_features
-    if fmt == "int8":
-        return PANEL * in_features + 4 * PANEL
-    return in_features // GGUF_BLOCK * BLOCK_BYTES[fmt] * PANEL
+    """Bytes of one panel of a weight with ``in_features`` columns in format ``fmt`` (the
+    kernels' ``quant_widen.panel_size``)."""
+    return int(panel_size(FORMAT_CODES[fmt], in_features))
 
 
 @dataclass(frozen=True)
@@ -163,10 +160,8 @@ def dense_row(x, w, fmt, k_dim, out, p):
     this is inlined), into out[PANEL p : PANEL (p + 1)]: a multiply-add a weight as it is
     widened, sums over K_RUN k joining the total, an int8 row's total scaled once."""
     width = 2 * PANEL if fmt == BF16 else PANEL            # bytes of one k
-    base = p * (k_dim * width + (4 * PANEL if fmt == INT8 else 0))
-    s_lo = s_hi = vsplat(np.float32(1.0))
-    if fmt == INT8:                                         # the panel's scales, after its codes
-        s_lo, s_hi = vload_f32b(w, base + k_dim * width), vload_f32b(w, base + k_dim * width + 4 * LANES)
+    base = p * panel_size(fmt, k_dim)
+    s_lo, s_hi = dense_scales(w, fmt, base, k_dim)
     t0 = u0 = vzero()
     for k0 in range(0, k_dim, K_RUN):
         a0 = b0 = vzero()

@@ -56,6 +56,17 @@ def dense_at(w, fmt, at):
 
 
 @njit(fastmath=True, inline="always", cache=CACHE)
+def dense_scales(w, fmt, base, k_dim):
+    """The scales of a bfloat16 or int8 panel (bytes from ``base``) for its two registers of
+    features: int8's, stored after its codes; ones for bfloat16."""
+    if fmt == INT8:
+        at = base + k_dim * PANEL
+        return vload_f32b(w, at), vload_f32b(w, at + 4 * LANES)
+    one = vsplat(np.float32(1.0))
+    return one, one
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
 def widen_run(w, fmt, k_dim, p, k0, kn, scratch):
     """k in [k0, k0 + kn) of panel p of a quantized weight (``fmt``, a constant where this is
     inlined), widened: scratch[(k - k0) PANEL :][:PANEL] holds what ``panel_gemm.pack`` makes of
@@ -64,9 +75,7 @@ def widen_run(w, fmt, k_dim, p, k0, kn, scratch):
     base = p * panel_size(fmt, k_dim)
     if fmt == BF16 or fmt == INT8:
         width = 2 * PANEL if fmt == BF16 else PANEL                 # bytes of one k
-        s_lo = s_hi = vsplat(np.float32(1.0))
-        if fmt == INT8:                                             # the panel's scales, after its codes
-            s_lo, s_hi = vload_f32b(w, base + k_dim * width), vload_f32b(w, base + k_dim * width + 4 * LANES)
+        s_lo, s_hi = dense_scales(w, fmt, base, k_dim)
         for k in range(k0, k0 + kn):
             lo, hi = dense_at(w, fmt, base + k * width)
             vstore(scratch, (k - k0) * PANEL, vmul(lo, s_lo))
