@@ -146,12 +146,15 @@ def _merge_partials(part_acc, part_max, part_sum, merges, query_start_loc, num_h
             for p in range(first, first + count):
                 if part_sum[p, r] > 0:
                     total += part_sum[p, r] * fast_exp(part_max[p, r] - top)
+            row = out[t0 + r // num_heads, r % num_heads]          # (head_dim,): the sum, then / total
+            row[:] = np.float32(0.0)
+            for p in range(first, first + count):                  # each slice's weight once, not once a d
+                if part_sum[p, r] > 0:
+                    weight = fast_exp(part_max[p, r] - top)
+                    for d in range(part_acc.shape[2]):
+                        row[d] += part_acc[p, r, d] * weight
             for d in range(part_acc.shape[2]):
-                value = np.float32(0.0)
-                for p in range(first, first + count):
-                    if part_sum[p, r] > 0:
-                        value += part_acc[p, r, d] * fast_exp(part_max[p, r] - top)
-                out[t0 + r // num_heads, r % num_heads, d] = value / total
+                row[d] = row[d] / total
 
 
 

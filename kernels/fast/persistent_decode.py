@@ -198,7 +198,7 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
     tokens, rows = q.shape[0], x.shape[0]
     hidden_size, ffn = x.shape[1], g.shape[1]
     block_stride, head_stride, token_stride = strides[0], strides[1], strides[2]
-    block_size, num_kv_heads = kv_cache.shape[4], kv_cache.shape[3]
+    block_size, num_kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[3], q.shape[2]
     for it in prange(num_threads):
         # phase 0: layer 0's input norm, a token a task, while the others ask for layer 0's qkv
         t, r = _claim(ctr, 0, tokens, it)
@@ -220,11 +220,13 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
             t, r = _claim(ctr, base + 1, tokens, it)
             while t < tokens:
                 row = t * widths[0]
-                for i in range(q_size):
-                    q[t, i // q.shape[2], i % q.shape[2]] = qkv_out[row + i]
-                for i in range(kv_size):
-                    k[t, i // k.shape[2], i % k.shape[2]] = qkv_out[row + q_size + i]
-                    v[t, i // v.shape[2], i % v.shape[2]] = qkv_out[row + q_size + kv_size + i]
+                for h in range(q.shape[1]):
+                    for d in range(head_dim):
+                        q[t, h, d] = qkv_out[row + h * head_dim + d]
+                for h in range(num_kv_heads):
+                    for d in range(head_dim):
+                        k[t, h, d] = qkv_out[row + q_size + h * head_dim + d]
+                        v[t, h, d] = qkv_out[row + q_size + kv_size + h * head_dim + d]
                 if not (ROTARY(q[t:t + 1], positions[t:t + 1], cos, sin)
                         and ROTARY(k[t:t + 1], positions[t:t + 1], cos, sin)
                         and WRITE_KV(k_cache, v_cache, k[t:t + 1], v[t:t + 1], slot_mapping[t:t + 1], KV_FLOAT,

@@ -11,7 +11,7 @@ the pieces the products use:
   ``d q + m``, which ``quant_widen.py`` writes into a page for the tiles of two rows and more;
 - ``block_row``: a single row (a one-sequence step, bound by the weights' bytes) sums ``x q``
   over each block and scales the block's sum once, ``d sum(x q) + m sum(x)``: one multiply-add
-  a weight.
+  a weight, asking for the lines ``tuning.ROW_AHEAD`` bytes on as it goes.
 
 A q4_1 code is widened with integer operations only (``unit_codes``): 1 + q / 16, the code
 moved into a float32's mantissa, scaled by 16 d and offset by m - 16 d (``block_scales``).
@@ -25,8 +25,9 @@ from numba import njit
 
 from ..weight_formats import GGUF_BLOCK
 from .panel_gemm import PANEL
-from .simd import (LANES, SIMD_CACHE, vadd, vbroadcast, vfma, vload, vload_f16, vload_high4_unit, vload_i8,
+from .simd import (LANES, SIMD_CACHE, prefetch, vadd, vbroadcast, vfma, vload, vload_f16, vload_high4_unit, vload_i8,
                    vload_low4_unit, vmul, vsplat, vstore, vsum, vzero)
+from .tuning import ROW_AHEAD
 
 Q4_1, Q8_0 = 3, 4            # quant_panels.FORMAT_CODES of GGUF's two block formats
 SIXTEEN, MINUS_ONE = np.float32(16.0), np.float32(-1.0)
@@ -94,6 +95,8 @@ def block_row(x, w, fmt, k_dim, out, p):
     t0 = u0 = vzero()
     for b in range(blocks):
         at = base + b * size
+        for line in range(0, size, 64):                     # the lines ROW_AHEAD bytes on in this stream
+            prefetch(w, at + ROW_AHEAD + line)
         d_lo, d_hi, m_lo, m_hi = block_scales(w, at, fmt)
         a0 = b0 = vzero()
         k = b * GGUF_BLOCK

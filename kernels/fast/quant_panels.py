@@ -13,9 +13,10 @@ flat uint8 array per weight, panel after panel, each ``panel_bytes`` long:
 - "q8_0": for each block of 32 k: PANEL float16 d, then 32 rows of PANEL int8 codes.
 
 A single row (a one-sequence step, bound by reading the weight) multiplies the codes as it
-loads them, widened in registers (``simd.py``'s byte loads): here for bfloat16 and int8
-(``dense_row``: its sums over at most K_RUN k, an int8 row's total then scaled), in
-``quant_blocks.py`` for GGUF's blocks. Two rows and more widen each run of a panel once into a
+loads them, widened in registers (``simd.py``'s byte loads), and asks for the stream's lines
+``tuning.ROW_AHEAD`` bytes ahead (the CPU's own prefetcher falls behind a loop that widens):
+here for bfloat16 and int8 (``dense_row``: its sums over at most K_RUN k, an int8 row's total
+then scaled), in ``quant_blocks.py`` for GGUF's blocks. Two rows and more widen each run of a panel once into a
 page on the stack and run the float32 panels' tiles over it (``quant_widen.py``), so only the
 compact bytes cross the memory bus either way. (A prefill widens the whole weight for BLAS:
 ``quant_widen.widen_transposed``.) ``QuantizedWeight.dequantize()`` followed by ``x @ w.T`` is
@@ -35,7 +36,8 @@ from .borrowed import borrowed
 from .panel_gemm import K_RUN, PANEL, ROW_TILE, panel_rows
 from .quant_blocks import Q4_1, Q8_0, block_row
 from .quant_widen import BF16, INT8, RUN_FLOATS, dense_at, dense_scales, panel_size, widened_rows
-from .simd import LANES, SIMD_CACHE, stack_floats, vadd, vbroadcast, vfma, vmul, vstore, vzero
+from .simd import LANES, SIMD_CACHE, prefetch, stack_floats, vadd, vbroadcast, vfma, vmul, vstore, vzero
+from .tuning import ROW_AHEAD
 
 FORMAT_CODES = {"bfloat16": BF16, "int8": INT8, "q4_1": Q4_1, "q8_0": Q8_0}   # a panel's format, as the kernels name it
 CACHE = SIMD_CACHE
@@ -158,7 +160,8 @@ def quant_panel_linear(x: np.ndarray, w: QuantPanelWeight, num_threads: int) -> 
 def dense_row(x, w, fmt, k_dim, out, p):
     """The one row of x times panel p of a bfloat16 or int8 weight (``fmt``, a constant where
     this is inlined), into out[PANEL p : PANEL (p + 1)]: a multiply-add a weight as it is
-    widened, sums over K_RUN k joining the total, an int8 row's total scaled once."""
+    widened, sums over K_RUN k joining the total, an int8 row's total scaled once; the lines
+    ROW_AHEAD bytes on are asked for as it goes."""
     width = 2 * PANEL if fmt == BF16 else PANEL            # bytes of one k
     base = p * panel_size(fmt, k_dim)
     s_lo, s_hi = dense_scales(w, fmt, base, k_dim)
@@ -166,6 +169,7 @@ def dense_row(x, w, fmt, k_dim, out, p):
     for k0 in range(0, k_dim, K_RUN):
         a0 = b0 = vzero()
         for k in range(k0, min(k0 + K_RUN, k_dim)):
+            prefetch(w, base + k * width + ROW_AHEAD)     # (an int8 k is half a line: asked twice)
             lo, hi = dense_at(w, fmt, base + k * width)
             x0 = vbroadcast(x, k)
             a0, b0 = vfma(x0, lo, a0), vfma(x0, hi, b0)
