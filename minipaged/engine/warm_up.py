@@ -8,6 +8,8 @@ a profile pass (and captures CUDA graphs) before it serves; ``python -m minipage
 these passes before it prints its URL:
 
 - one prompt of up to 256 tokens (the prefill's matrix products and its BLAS attention), and
+  one of 16 (a chat turn's few tokens: shorter than the prompt path's threshold, they run as a
+  chunk of a decode step, in the persistent kernel),
 - decode batches of 1, 4, 16 and 64 sequences (the panels' or the packed products, the
   paged-attention kernel's serial and threaded compilations), each then sampled.
 
@@ -30,6 +32,7 @@ from .model_runner import ForwardInput
 from .sampler import SampleRequest
 
 PREFILL_TOKENS = 256                 # the warm-up prompt's length, at most
+SHORT_PROMPT = 16                    # the short warm-up prompt's
 DECODE_BATCHES = (1, 4, 16, 64)      # sequences per warm-up decode step, at most
 
 
@@ -65,8 +68,9 @@ def warm_up(engine, calculate_kv_scales: bool = False) -> float | None:
     limit = min(engine.max_model_len, engine.scheduler_config.max_num_batched_tokens)
     prompt = min(PREFILL_TOKENS, limit)
     shapes = []
-    if -(-prompt // size) <= bm.num_blocks:
-        shapes.append((1, prompt, prompt))
+    for length in sorted({prompt, min(SHORT_PROMPT, prompt)}, reverse=True):
+        if -(-length // size) <= bm.num_blocks:
+            shapes.append((1, length, length))
     context = min(size + 1, engine.max_model_len)              # two blocks each, the second begun
     per_seq = -(-context // size)
     for batch in DECODE_BATCHES:
