@@ -16,11 +16,12 @@ A single row (a one-sequence step, bound by reading the weight) multiplies the c
 loads them, widened in registers (``simd.py``'s byte loads), and asks for the stream's lines
 ``tuning.ROW_AHEAD`` bytes ahead (the CPU's own prefetcher falls behind a loop that widens):
 here for bfloat16 and int8 (``dense_row``: its sums over at most K_RUN k, an int8 row's total
-then scaled), in ``quant_blocks.py`` for GGUF's blocks. Two rows and more widen each run of a panel once into a
-page on the stack and run the float32 panels' tiles over it (``quant_widen.py``), so only the
-compact bytes cross the memory bus either way. (A prefill widens the whole weight for BLAS:
-``quant_widen.widen_transposed``.) ``QuantizedWeight.dequantize()`` followed by ``x @ w.T`` is
-the spec (``tests/test_weight_formats.py``).
+then scaled), in ``quant_blocks.py`` for GGUF's blocks. Two rows and more widen each run of a
+panel once into a page on the stack and run the float32 panels' tiles over it
+(``quant_widen.py``), so only the compact bytes cross the memory bus either way. (A prefill
+widens the whole weight for BLAS: ``quant_widen.widen_transposed``.)
+``QuantizedWeight.dequantize()`` followed by ``x @ w.T`` is the spec
+(``tests/test_weight_formats.py``).
 """
 
 from __future__ import annotations
