@@ -32,7 +32,7 @@ from .model_runner import ForwardInput
 from .sampler import SampleRequest
 
 PREFILL_TOKENS = 256                 # the warm-up prompt's length, at most
-SHORT_PROMPT = 16                    # the short warm-up prompt's
+SHORT_PROMPT = 16                    # the short warm-up prompt's length
 DECODE_BATCHES = (1, 4, 16, 64)      # sequences per warm-up decode step, at most
 
 
