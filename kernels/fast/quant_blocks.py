@@ -87,7 +87,12 @@ def block_row(x, w, fmt, k_dim, out, p):
     """The one row of x times panel p of a q4_1 or q8_0 weight, into out[PANEL p : PANEL (p + 1)]:
     the codes' sums first, sum_k x q, scaled once a block (d sum x q + m sum x), a multiply-add a
     weight fewer than widening each one. (Two rows and more widen a run of the panel once for
-    all of them: ``quant_widen.py``.)"""
+    all of them: ``quant_widen.py``.)
+
+    The sums run in four chains, weights j and 16 + j of each register apart, and join once a
+    block: with two, each multiply-add waited for the one before it in its chain, and a core's
+    products in its caches ran 12-20% slower in q4_1, 27% in q8_0 compiled for AVX2
+    (docs/weights.md, "Four chains of sums")."""
     size = (20 if fmt == Q4_1 else 34) * PANEL             # bytes of one block of a panel
     blocks = k_dim // GGUF_BLOCK
     base = p * blocks * size
@@ -98,7 +103,7 @@ def block_row(x, w, fmt, k_dim, out, p):
         for line in range(0, size, 64):                     # the lines ROW_AHEAD bytes on in this stream
             prefetch(w, at + ROW_AHEAD + line)
         d_lo, d_hi, m_lo, m_hi = block_scales(w, at, fmt)
-        a0 = b0 = vzero()
+        a0 = a1 = b0 = b1 = vzero()
         k = b * GGUF_BLOCK
         c = at + codes_from
         for j in range(16):
@@ -106,13 +111,13 @@ def block_row(x, w, fmt, k_dim, out, p):
             if fmt == Q4_1:
                 lo, lo2 = unit_codes(w, c)
                 hi, hi2 = unit_codes(w, c + LANES)
-                a0, b0 = vfma(x1, lo2, vfma(x0, lo, a0)), vfma(x1, hi2, vfma(x0, hi, b0))
             else:
-                a0, b0 = vfma(x0, vload_i8(w, c), a0), vfma(x0, vload_i8(w, c + LANES), b0)
                 c2 = c + 16 * PANEL
-                a0, b0 = vfma(x1, vload_i8(w, c2), a0), vfma(x1, vload_i8(w, c2 + LANES), b0)
+                lo, hi = vload_i8(w, c), vload_i8(w, c + LANES)
+                lo2, hi2 = vload_i8(w, c2), vload_i8(w, c2 + LANES)
+            a0, a1, b0, b1 = vfma(x0, lo, a0), vfma(x1, lo2, a1), vfma(x0, hi, b0), vfma(x1, hi2, b1)
             c += PANEL
-        t0, u0 = vfma(d_lo, a0, t0), vfma(d_hi, b0, u0)
+        t0, u0 = vfma(d_lo, vadd(a0, a1), t0), vfma(d_hi, vadd(b0, b1), u0)
         if fmt == Q4_1:                                     # + m times the block's sum of x
             xsum = vsplat(_block_sum(x, k))
             t0, u0 = vfma(m_lo, xsum, t0), vfma(m_hi, xsum, u0)

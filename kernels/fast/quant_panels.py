@@ -162,19 +162,28 @@ def dense_row(x, w, fmt, k_dim, out, p):
     """The one row of x times panel p of a bfloat16 or int8 weight (``fmt``, a constant where
     this is inlined), into out[PANEL p : PANEL (p + 1)]: a multiply-add a weight as it is
     widened, sums over K_RUN k joining the total, an int8 row's total scaled once; the lines
-    ROW_AHEAD bytes on are asked for as it goes."""
+    ROW_AHEAD bytes on are asked for as it goes. Two k at a time, in four chains of sums: in one
+    chain a lane each multiply-add waited for the one before it, and a core's int8 products in
+    its caches ran at two thirds of the speed (docs/weights.md, "Four chains of sums")."""
     width = 2 * PANEL if fmt == BF16 else PANEL            # bytes of one k
     base = p * panel_size(fmt, k_dim)
     s_lo, s_hi = dense_scales(w, fmt, base, k_dim)
     t0 = u0 = vzero()
     for k0 in range(0, k_dim, K_RUN):
-        a0 = b0 = vzero()
-        for k in range(k0, min(k0 + K_RUN, k_dim)):
-            prefetch(w, base + k * width + ROW_AHEAD)     # (an int8 k is half a line: asked twice)
+        k_end = min(k0 + K_RUN, k_dim)
+        a0 = a1 = b0 = b1 = vzero()                      # two k at a time: four chains of sums
+        for k in range(k0, k_end - 1, 2):
+            for line in range(0, 2 * width, 64):          # the lines ROW_AHEAD bytes on
+                prefetch(w, base + k * width + ROW_AHEAD + line)
             lo, hi = dense_at(w, fmt, base + k * width)
-            x0 = vbroadcast(x, k)
+            lo1, hi1 = dense_at(w, fmt, base + (k + 1) * width)
+            x0, x1 = vbroadcast(x, k), vbroadcast(x, k + 1)
+            a0, b0, a1, b1 = vfma(x0, lo, a0), vfma(x0, hi, b0), vfma(x1, lo1, a1), vfma(x1, hi1, b1)
+        if (k_end - k0) % 2:                              # an odd run's last k
+            lo, hi = dense_at(w, fmt, base + (k_end - 1) * width)
+            x0 = vbroadcast(x, k_end - 1)
             a0, b0 = vfma(x0, lo, a0), vfma(x0, hi, b0)
-        t0, u0 = vadd(t0, a0), vadd(u0, b0)
+        t0, u0 = vadd(t0, vadd(a0, a1)), vadd(u0, vadd(b0, b1))
     vstore(out, p * PANEL, vmul(t0, s_lo)); vstore(out, p * PANEL + LANES, vmul(u0, s_hi))  # noqa: E702
 
 
