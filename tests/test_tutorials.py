@@ -274,7 +274,7 @@ def test_t25_bytes_per_weight():
     out = run_tutorial("25_bytes_per_weight.py")
     assert "134,479,872 weights" in out and "float32:   537.9 MB a step" in out and "gguf:    96.4 MB a step" in out
     assert "d * q + m is what llama.cpp's own dequantizer gives: True" in out
-    assert out.count("1 and 8 rows agree with x @ dequantize().T: True") == 3
+    assert out.count("1, 8 and 16 rows agree with x @ dequantize().T: True") == 3
     assert "gguf computes on the very weights the float32 directory holds: the same tokens, True" in out
     assert re.search(r"int8: +[\d.]+ MB held, +[\d.]+ ms a token", out)
 

@@ -132,15 +132,15 @@ def test_the_byte_loads_widen_as_numpy_does():
 @pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
 @pytest.mark.parametrize("shape", [(PANEL, 64), (3 * PANEL - 5, 96), (40, 320)])
 def test_quantized_panels_multiply_as_the_spec(fmt, shape):
-    """Every row count a decode step has (1: the codes multiplied in registers; 2-3 padded to 4,
-    and tiles of 4, 8 and AVX2's 6 over runs of k widened on the stack: 12, 16, 28 = 8 + 8 + 8 +
-    4), out padded to whole panels, runs of k over K_RUN (320 = 128 + 128 + 64): x @
-    w.dequantize().T within float32 rounding."""
+    """Every row count a decode step has (1, 2, and 3-8 padded to 4 or 8: the codes multiplied in
+    registers, one, two or four rows at a time; tiles of 4, 8 and AVX2's 6 over runs of k widened on the
+    stack: 12, 16, 28 = 8 + 8 + 8 + 4), out padded to whole panels, runs of k over K_RUN (320 =
+    128 + 128 + 64): x @ w.dequantize().T within float32 rounding."""
     rng = np.random.default_rng(4)
     q = quantize(_weight(rng, *shape), fmt)
     panels = pack(q)
     assert panels.nbytes == -(-shape[0] // PANEL) * PANEL * (q.nbytes // shape[0])   # out padded to whole panels
-    for rows in (1, 2, 3, 4, 9, 12, 16, 28):
+    for rows in (1, 2, 3, 4, 6, 8, 9, 12, 16, 28):
         x = rng.standard_normal((rows, shape[1])).astype(np.float32)
         expected = x.astype(np.float64) @ q.dequantize().T.astype(np.float64)     # (rows, out)
         got = quant_panel_linear(x, panels, 2)
@@ -159,11 +159,12 @@ def test_quantized_panels_multiply_as_the_spec(fmt, shape):
 @pytest.mark.parametrize("in_features", [33, 161])
 def test_dense_formats_take_rows_of_any_width(fmt, in_features):
     """bfloat16 and int8 need no blocks: rows of 33 and 161 weights (a short last run of k after
-    K_RUN) multiply as the spec for a single row and for the widened tiles."""
+    K_RUN) multiply as the spec for a single row, for 2 rows and 3 to 8 rows four at a time in
+    registers, and for the widened tiles."""
     rng = np.random.default_rng(5)
     q = quantize(_weight(rng, 40, in_features), fmt)
     panels = pack(q)
-    for rows in (1, 4, 12, 28):
+    for rows in (1, 2, 3, 4, 8, 12, 28):
         x = rng.standard_normal((rows, in_features)).astype(np.float32)
         expected = x.astype(np.float64) @ q.dequantize().T.astype(np.float64)     # (rows, 40)
         np.testing.assert_allclose(quant_panel_linear(x, panels, 2), expected, rtol=2e-5,
@@ -219,8 +220,9 @@ def test_a_gguf_file_is_read_as_its_own_blocks(gguf_model_dir):
 def test_every_format_gives_the_same_tokens_on_both_tiers_and_in_shards(gguf_model_dir, kwargs):
     """The engine with each format: the plain and the fast tier agree token for token, and so do
     two tensor-parallel ranks and two pipeline stages, whose shards carry the format. Nine
-    sequences of different lengths: the persistent kernel's decode steps run tiles of 8 rows
-    (AVX-512), of 4 and single rows as the batch drains."""
+    sequences of different lengths: as the batch drains, the persistent kernel's decode steps
+    widen 12 rows (nine padded) for the float32 tiles, then multiply the codes in registers at
+    8 and 4 rows (padded), at 2 rows and at one."""
     prompts = [{"prompt_token_ids": list(range(5 + i, 20 + 3 * i))} for i in range(9)]
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(9)]
     got = {}

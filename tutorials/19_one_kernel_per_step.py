@@ -21,8 +21,8 @@ kernel (``kernels/fast/persistent_decode.py``) runs every layer in one parallel 
   bus streams weights while the other thread runs attention or a norm.
 
 The same kernel takes every decode step the panels multiply (up to ``FastTuning.panel_max_rows`` =
-128 tokens, rows padded to a multiple of 4, none of them a long prompt's); here we follow a
-single sequence. We:
+128 tokens, rows padded to a multiple of 4 (1, and 2 of quantized weights, as they are), none of
+them a long prompt's); here we follow a single sequence. We:
 
 1. claim tasks on two threads, each from its own range first, and check every task was run
    exactly once;

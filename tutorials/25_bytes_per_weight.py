@@ -19,8 +19,8 @@ engine in each format: the time a token, against that ceiling, and the tokens th
 
 The OS analogy: compressed memory (zram, squashfs). Pages kept in fewer bytes and expanded by
 the CPU as they are read, because reading the small form and expanding it beats reading the
-large one: a decode step widens each weight in registers (one row) or into a small page that
-stays in the core's L1 cache (more rows), never back into a copy in memory.
+large one: a decode step widens each weight in registers (up to 8 rows) or into a small page
+that stays in the core's L1 cache (more rows), never back into a copy in memory.
 
 Timings depend on the machine and what else runs on it: they are printed, never asserted.
 What is asserted: the byte counts, the blocks' meaning (against llama.cpp's own Python
@@ -104,12 +104,12 @@ rng = np.random.default_rng(0)
 for fmt in ("bfloat16", "int8", "q4_1"):
     qw = quantize(w, fmt)
     panels = pack(qw)                                                          # the only copy the fast tier keeps
-    for rows in (1, 8):
+    for rows in (1, 8, 16):                                                   # registers: 1, 8; a page: 16
         x = rng.standard_normal((rows, w.shape[1])).astype(np.float32)        # (rows, hidden)
         spec = x @ qw.dequantize().T                                           # the plain tier's product
         got = quant_panel_linear(x, panels, 2)
         assert np.allclose(got, spec, rtol=1e-4, atol=1e-4 * np.abs(spec).max())
-    print(f"  {fmt:>8}: {panels.nbytes / 1e6:.2f} MB of panels; 1 and 8 rows agree with x @ dequantize().T: True")
+    print(f"  {fmt:>8}: {panels.nbytes / 1e6:.2f} MB of panels; 1, 8 and 16 rows agree with x @ dequantize().T: True")
 
 print("\nStep 4: bytes into a ceiling")
 bandwidth = read_bandwidth()

@@ -20,7 +20,10 @@ AVX-512, 36 KB with AVX2) stays in the core's L2 while every tile of rows passes
 
 Rows are padded with zeros to a multiple of 4 (tiles of 8 with AVX-512, or pairs of tiles of
 6 with AVX2, then tiles of 4; a single row has its own loop): at 2-3 rows the product is
-bound by reading the weight, and four rows read it no slower than one. The NumPy product
+bound by reading the weight, and four rows read it no slower than one (two rows, each through
+the single row's loop, made a whole step at B=2 ~6% slower). A quantized weight's two rows
+stay two (``padded_rows``): its loops widen every code in registers, once for all the rows,
+and two padding rows would cost half the multiply-adds (``quant_panels.py``). The NumPy product
 ``x @ w.T`` (``kernels/reference.py`` ``linear``) is the spec (``tests/test_panel_gemm.py``).
 Prefills (more than ``FastTuning.panel_max_rows`` rows) stay with BLAS's gemm on the
 checkpoint's layout, which reuses x across panels in its caches; the panels are a second
@@ -111,14 +114,14 @@ def panel_linear(x: np.ndarray, w: PanelWeight, num_threads: int) -> np.ndarray:
     if x.ndim != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"panel_linear: x {x.shape} does not fit a ({w.out_features}, {w.in_features}) weight")
     rows = x.shape[0]
-    padded_rows = rows if rows <= 1 else -(-rows // ROW_TILE) * ROW_TILE
-    if padded_rows == rows:
+    padded = padded_rows(rows, False)
+    if padded == rows:
         xs = np.ascontiguousarray(x, dtype=np.float32)                 # (T, in)
     else:
-        xs = np.zeros((padded_rows, w.in_features), np.float32)         # (T', in): zero rows added
+        xs = np.zeros((padded, w.in_features), np.float32)              # (T', in): zero rows added
         xs[:rows] = x
     panels = w.data.shape[0]
-    out = np.empty((padded_rows, panels * PANEL), np.float32)           # (T', panels * PANEL)
+    out = np.empty((padded, panels * PANEL), np.float32)                # (T', panels * PANEL)
     if rows:
         _panel_product(xs.reshape(-1), w.data.reshape(-1), w.in_features, panels,
                        out.reshape(-1), max(1, min(num_threads, panels)))
@@ -201,6 +204,13 @@ def _add_four_rows(a0, b0, a1, b1, a2, b2, a3, b3, c0, d0, c1, d1, c2, d2, c3, d
             vadd(a2, c2), vadd(b2, d2), vadd(a3, c3), vadd(b3, d3))
 
 
+@njit(inline="always", cache=CACHE)
+def padded_rows(rows, quantized):
+    """The rows a product runs for ``rows`` rows of x: one as it is, and for a quantized weight
+    two as well; more padded with zero rows to a multiple of ROW_TILE."""
+    return rows if rows <= (2 if quantized else 1) else -(-rows // ROW_TILE) * ROW_TILE
+
+
 @njit(fastmath=True, inline="always", cache=CACHE)
 def one_row(x, r, w, panel, k_dim, out, o):
     """One row of x (flat, from x[r]) times the panel that starts at w[panel]: its PANEL sums
@@ -219,9 +229,9 @@ def one_row(x, r, w, panel, k_dim, out, o):
 
 @njit(fastmath=True, inline="always", cache=CACHE)
 def panel_rows(x, w, k_dim, rows, out, n_dim, p, first):
-    """Every row of x (flat, rows x k_dim; rows 1 or a multiple of 4) times panel p of w (flat
-    panels), into out (flat, rows x n_dim) at columns [PANEL p, PANEL (p + 1)): the tiles of
-    TILE_ROWS, then of 4, then single rows; ``first``: the pass over the first panel of a run,
+    """Every row of x (flat, rows x k_dim; rows 1 or a multiple of 4, or 2 as two single rows)
+    times panel p of w (flat panels), into out (flat, rows x n_dim) at columns [PANEL p, PANEL
+    (p + 1)): the tiles of TILE_ROWS, then of 4, then single rows; ``first``: the pass over the first panel of a run,
     which no earlier pass asked ahead for (``_pass_plan``). The body of ``_panel_product``'s
     panel loop, and of the persistent decode kernel's product tasks
     (``kernels/persistent_decode.py``): the same sums, in the same order, in both."""

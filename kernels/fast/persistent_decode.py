@@ -50,8 +50,8 @@ It runs where all of that holds (``usable``, and ``ops.decode_layers``): as many
 the layer-by-layer path multiplies on the panels (``FastTuning.panel_max_rows``: decodes of up to 128
 sequences, or short prompt chunks beside them), every one read by the paged attention kernel,
 float32 weights with their panels, a float32 KV cache the register attention kernel reads, no
-block-sparse attention, no tensor-parallel split. Rows are padded with zeros to a multiple of
-4, as ``panel_gemm.panel_linear`` pads them; the padding rows stay zero.
+block-sparse attention, no tensor-parallel split. Rows are padded with zero rows to a multiple
+of 4 as the products pad them (``panel_gemm.padded_rows``); the padding rows stay zero.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from .borrowed import borrowed
 from .compile import guarded
 from ..kv_quant import KV_FLOAT
 from .layer_stack import LayerStack
-from .panel_gemm import PANEL, ROW_TILE
+from .panel_gemm import PANEL, padded_rows
 from .quant_panels import any_panel_rows
 from .simd import LANES, SIMD_CACHE, prefetch
 
@@ -358,7 +358,7 @@ def run(kernel, stack_: LayerStack, hidden: np.ndarray, positions: np.ndarray, k
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[5]
     widths = stack_.widths
     tokens = positions.shape[0]
-    rows = tokens if tokens <= 1 else -(-tokens // ROW_TILE) * ROW_TILE      # as the panels take them
+    rows = padded_rows(tokens, bool(stack_.formats[0]))                     # as the panels take them
     padded = np.zeros((rows, hidden_size), np.float32)                      # (R, h), written in place
     padded[:tokens] = hidden
     x = np.zeros((rows, hidden_size), np.float32)                           # (R, h) a norm's output

@@ -122,3 +122,65 @@ def block_row(x, w, fmt, k_dim, out, p):
             xsum = vsplat(_block_sum(x, k))
             t0, u0 = vfma(m_lo, xsum, t0), vfma(m_hi, xsum, u0)
     vstore(out, p * PANEL, t0); vstore(out, p * PANEL + LANES, u0)   # noqa: E702
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
+def _codes_times_row(x, xk, lo, hi, lo2, hi2, a, b):
+    """One row's sums (a, b: the panel's two registers) plus x[xk] times one row of a block's
+    codes (lo, hi) and x[xk + 16] times the row 16 on (lo2, hi2)."""
+    x0, x1 = vbroadcast(x, xk), vbroadcast(x, xk + 16)
+    return vfma(x1, lo2, vfma(x0, lo, a)), vfma(x1, hi2, vfma(x0, hi, b))
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
+def _join_block(x, xk, fmt, out, o, d_lo, d_hi, m_lo, m_hi, a, b):
+    """A row's block sums (a, b), scaled, into its totals at out[o : o + PANEL]: d sum x q, and
+    for q4_1 + m sum x over the block (whose x starts at xk)."""
+    t, u = vfma(d_lo, a, vload(out, o)), vfma(d_hi, b, vload(out, o + LANES))
+    if fmt == Q4_1:
+        xsum = vsplat(_block_sum(x, xk))
+        t, u = vfma(m_lo, xsum, t), vfma(m_hi, xsum, u)
+    vstore(out, o, t); vstore(out, o + LANES, u)   # noqa: E702
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
+def block_four_rows(x, w, fmt, k_dim, out, n_dim, p, n):
+    """n = 4 (or 2, a constant where this is inlined) rows of x (flat, n x k_dim) times panel p
+    of a q4_1 or q8_0 weight, into out (flat, rows of n_dim) at columns [PANEL p, PANEL (p + 1)):
+    ``block_row``'s sums for four rows at once, each row of codes widened in registers once for
+    all of them, each block's sums scaled into the totals in out. Two to four sequences read the
+    weight once and widen it once, as one does, with no page to write: eight registers of sums,
+    which AVX2's sixteen hold beside the codes."""
+    size = (20 if fmt == Q4_1 else 34) * PANEL
+    blocks = k_dim // GGUF_BLOCK
+    base = p * blocks * size
+    codes_from = 4 * PANEL if fmt == Q4_1 else 2 * PANEL
+    o = p * PANEL
+    for r in range(n):
+        vstore(out, r * n_dim + o, vzero()); vstore(out, r * n_dim + o + LANES, vzero())   # noqa: E702
+    for b in range(blocks):
+        at = base + b * size
+        for line in range(0, size, 64):
+            prefetch(w, at + ROW_AHEAD + line)
+        a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
+        k = b * GGUF_BLOCK
+        c = at + codes_from
+        for j in range(16):
+            if fmt == Q4_1:
+                lo, lo2 = unit_codes(w, c)
+                hi, hi2 = unit_codes(w, c + LANES)
+            else:
+                lo, hi = vload_i8(w, c), vload_i8(w, c + LANES)
+                lo2, hi2 = vload_i8(w, c + 16 * PANEL), vload_i8(w, c + 16 * PANEL + LANES)
+            a0, b0 = _codes_times_row(x, k + j, lo, hi, lo2, hi2, a0, b0)
+            a1, b1 = _codes_times_row(x, k_dim + k + j, lo, hi, lo2, hi2, a1, b1)
+            if n == 4:
+                a2, b2 = _codes_times_row(x, 2 * k_dim + k + j, lo, hi, lo2, hi2, a2, b2)
+                a3, b3 = _codes_times_row(x, 3 * k_dim + k + j, lo, hi, lo2, hi2, a3, b3)
+            c += PANEL
+        d_lo, d_hi, m_lo, m_hi = block_scales(w, at, fmt)
+        _join_block(x, k, fmt, out, o, d_lo, d_hi, m_lo, m_hi, a0, b0)
+        _join_block(x, k_dim + k, fmt, out, n_dim + o, d_lo, d_hi, m_lo, m_hi, a1, b1)
+        if n == 4:
+            _join_block(x, 2 * k_dim + k, fmt, out, 2 * n_dim + o, d_lo, d_hi, m_lo, m_hi, a2, b2)
+            _join_block(x, 3 * k_dim + k, fmt, out, 3 * n_dim + o, d_lo, d_hi, m_lo, m_hi, a3, b3)

@@ -16,8 +16,10 @@ A single row (a one-sequence step, bound by reading the weight) multiplies the c
 loads them, widened in registers (``simd.py``'s byte loads), and asks for the stream's lines
 ``tuning.ROW_AHEAD`` bytes ahead (the CPU's own prefetcher falls behind a loop that widens):
 here for bfloat16 and int8 (``dense_row``: its sums over at most K_RUN k, an int8 row's total
-then scaled), in ``quant_blocks.py`` for GGUF's blocks. Two rows and more widen each run of a
-panel once into a page on the stack and run the float32 panels' tiles over it
+then scaled), in ``quant_blocks.py`` for GGUF's blocks. Up to ``tuning.REGISTER_ROWS`` rows
+(a step of two to eight sequences) do the same four rows at a time (``dense_four_rows``,
+``quant_blocks.block_four_rows``): each k widened once for the four. More rows widen each run
+of a panel once into a page on the stack and run the float32 panels' tiles over it
 (``quant_widen.py``), so only the compact bytes cross the memory bus either way. (A prefill
 widens the whole weight for BLAS: ``quant_widen.widen_transposed``.)
 ``QuantizedWeight.dequantize()`` followed by ``x @ w.T`` is the spec
@@ -34,11 +36,11 @@ from numba.extending import overload
 
 from ..weight_formats import BLOCK_BYTES, GGUF_BLOCK, QuantizedWeight
 from .borrowed import borrowed
-from .panel_gemm import K_RUN, PANEL, ROW_TILE, panel_rows
-from .quant_blocks import Q4_1, Q8_0, block_row
+from .panel_gemm import K_RUN, PANEL, _add_four_rows, _four_rows, _two_rows, padded_rows, panel_rows
+from .quant_blocks import Q4_1, Q8_0, block_four_rows, block_row
 from .quant_widen import BF16, INT8, RUN_FLOATS, dense_at, dense_scales, panel_size, widened_rows
 from .simd import LANES, SIMD_CACHE, prefetch, stack_floats, vadd, vbroadcast, vfma, vmul, vstore, vzero
-from .tuning import ROW_AHEAD
+from .tuning import REGISTER_ROWS, ROW_AHEAD
 
 FORMAT_CODES = {"bfloat16": BF16, "int8": INT8, "q4_1": Q4_1, "q8_0": Q8_0}   # a panel's format, as the kernels name it
 CACHE = SIMD_CACHE
@@ -145,10 +147,10 @@ def quant_panel_linear(x: np.ndarray, w: QuantPanelWeight, num_threads: int) -> 
     if x.ndim != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"quant_panel_linear: x {x.shape} does not fit a ({w.out_features}, {w.in_features}) weight")
     rows = x.shape[0]
-    padded_rows = rows if rows <= 1 else -(-rows // ROW_TILE) * ROW_TILE
-    xs = np.zeros((padded_rows, w.in_features), np.float32)               # (T', in): zero rows added
+    padded = padded_rows(rows, True)
+    xs = np.zeros((padded, w.in_features), np.float32)                    # (T', in): zero rows added
     xs[:rows] = x
-    out = np.empty((padded_rows, w.panels * PANEL), np.float32)           # (T', panels * PANEL)
+    out = np.empty((padded, w.panels * PANEL), np.float32)                # (T', panels * PANEL)
     if rows:
         _quant_product(xs.reshape(-1), w.data, w.code, w.in_features, w.panels, out.reshape(-1),
                        max(1, min(num_threads, w.panels)))
@@ -187,13 +189,42 @@ def dense_row(x, w, fmt, k_dim, out, p):
     vstore(out, p * PANEL, vmul(t0, s_lo)); vstore(out, p * PANEL + LANES, vmul(u0, s_hi))  # noqa: E702
 
 
+@njit(fastmath=True, inline="always", cache=CACHE)
+def dense_four_rows(x, w, fmt, k_dim, out, n_dim, p, n):
+    """n = 4 (or 2, a constant where this is inlined) rows of x (flat, n x k_dim) times panel p
+    of a bfloat16 or int8 weight, into out (flat, rows of n_dim) at columns [PANEL p, PANEL (p +
+    1)): each k widened in registers once for the rows (``block_four_rows``'s way for the dense
+    formats), sums over K_RUN k joining the totals, int8's scaled once at the end."""
+    width = 2 * PANEL if fmt == BF16 else PANEL
+    base = p * panel_size(fmt, k_dim)
+    s_lo, s_hi = dense_scales(w, fmt, base, k_dim)
+    t0 = u0 = t1 = u1 = t2 = u2 = t3 = u3 = vzero()
+    for k0 in range(0, k_dim, K_RUN):
+        a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = vzero()
+        for k in range(k0, min(k0 + K_RUN, k_dim)):
+            prefetch(w, base + k * width + ROW_AHEAD)
+            lo, hi = dense_at(w, fmt, base + k * width)
+            if n == 4:
+                a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, 0, k_dim, k, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3)
+            else:
+                a0, b0, a1, b1 = _two_rows(x, 0, k_dim, k, lo, hi, a0, b0, a1, b1)
+        t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
+                                                        a0, b0, a1, b1, a2, b2, a3, b3)
+    o = p * PANEL
+    vstore(out, o, vmul(t0, s_lo)); vstore(out, o + LANES, vmul(u0, s_hi))                     # noqa: E702
+    vstore(out, o + n_dim, vmul(t1, s_lo)); vstore(out, o + n_dim + LANES, vmul(u1, s_hi))     # noqa: E702
+    if n == 4:
+        vstore(out, o + 2 * n_dim, vmul(t2, s_lo)); vstore(out, o + 2 * n_dim + LANES, vmul(u2, s_hi))  # noqa: E702
+        vstore(out, o + 3 * n_dim, vmul(t3, s_lo)); vstore(out, o + 3 * n_dim + LANES, vmul(u3, s_hi))  # noqa: E702
+
+
 @njit(fastmath=True, cache=CACHE)
 def quant_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
-    """Every row of x (flat, rows x k_dim; rows 1 or a multiple of 4) times panel p of a
+    """Every row of x (flat, rows x k_dim; rows 1, 2 or a multiple of 4) times panel p of a
     quantized weight w (flat uint8 panels, format code ``fmt``), into out (flat, rows x n_dim)
     at columns [PANEL p, PANEL (p + 1)): one branch a panel, each format's loops compiled apart.
-    One row multiplies the codes in registers; more widen each run of the panel once, for the
-    float32 tiles (``quant_widen.widened_rows``)."""
+    Up to REGISTER_ROWS rows multiply the codes in registers (one row, or four at a time); more
+    widen each run of the panel once, for the float32 tiles (``quant_widen.widened_rows``)."""
     x, w, out = borrowed(x), borrowed(w), borrowed(out)   # no reference counts in the loops
     if rows == 1:
         if fmt == BF16:
@@ -204,6 +235,28 @@ def quant_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
             block_row(x, w, Q4_1, k_dim, out, p)
         else:
             block_row(x, w, Q8_0, k_dim, out, p)
+        return
+    if rows == 2:
+        if fmt == BF16:
+            dense_four_rows(x, w, BF16, k_dim, out, n_dim, p, 2)
+        elif fmt == INT8:
+            dense_four_rows(x, w, INT8, k_dim, out, n_dim, p, 2)
+        elif fmt == Q4_1:
+            block_four_rows(x, w, Q4_1, k_dim, out, n_dim, p, 2)
+        else:
+            block_four_rows(x, w, Q8_0, k_dim, out, n_dim, p, 2)
+        return
+    if rows <= REGISTER_ROWS:
+        for g in range(0, rows, 4):                      # (rows: 4 or 8)
+            xg, og = x[g * k_dim:], out[g * n_dim:]
+            if fmt == BF16:
+                dense_four_rows(xg, w, BF16, k_dim, og, n_dim, p, 4)
+            elif fmt == INT8:
+                dense_four_rows(xg, w, INT8, k_dim, og, n_dim, p, 4)
+            elif fmt == Q4_1:
+                block_four_rows(xg, w, Q4_1, k_dim, og, n_dim, p, 4)
+            else:
+                block_four_rows(xg, w, Q8_0, k_dim, og, n_dim, p, 4)
         return
     page = stack_floats(RUN_FLOATS)       # (K_RUN, PANEL) float32: one slot of this frame, in L1
     if fmt == BF16:

@@ -16,7 +16,7 @@ The OS idea is decompressing a compressed page into a page of its own (zram's sw
   of rows, so BLAS's gemm on a float32 copy made for that one product, in parallel straight
   from the panels and dropped after it, beats any widening in registers.
 
-A single row (a one-sequence step) never widens: it multiplies the codes in registers
+A step of up to ``tuning.REGISTER_ROWS`` rows never widens: it multiplies the codes in registers
 (``quant_panels.py``, ``quant_blocks.py``). ``QuantizedWeight.dequantize()`` is the spec.
 """
 
