@@ -23,8 +23,8 @@ Rows are padded with zeros to a multiple of 4 (tiles of 8 with AVX-512, or pairs
 bound by reading the weight, and four rows read it no slower than one (two rows, each through
 the single row's loop, made a whole step at B=2 ~6% slower). A quantized weight's two rows
 stay two (``padded_rows``): its loops widen every code in registers, once for all the rows,
-and two padding rows would cost half the multiply-adds (``quant_panels.py``). The NumPy product
-``x @ w.T`` (``kernels/reference.py`` ``linear``) is the spec (``tests/test_panel_gemm.py``).
+where half the multiply-adds of four would be on zero rows (``quant_panels.py``). The NumPy
+product ``x @ w.T`` (``kernels/reference.py`` ``linear``) is the spec (``tests/test_panel_gemm.py``).
 Prefills (more than ``FastTuning.panel_max_rows`` rows) stay with BLAS's gemm on the
 checkpoint's layout, which reuses x across panels in its caches; the panels are a second
 copy of every weight, resident beside it.
@@ -40,7 +40,7 @@ from numba import njit, prange
 from .simd import LANES, REGISTERS, SIMD_CACHE, prefetch, vadd, vbroadcast, vfma, vload, vstore, vzero
 
 PANEL = 2 * LANES        # output features per panel: two registers
-ROW_TILE = 4             # rows of x are padded to a multiple of this (1 row excepted)
+ROW_TILE = 4             # rows of x are padded to a multiple of this (1 row excepted: padded_rows)
 # Rows of the widest tile, whose 2 x TILE_ROWS registers of sums stay in registers beside the two
 # of weights and a broadcast: 8 with AVX-512 (16 of 32 registers: the products at the peak), 6 with
 # AVX2 (12 of 16, the shape of AVX2's classic 6 x 16 sgemm kernel: 84 against 77 GFLOP/s a Zen 3
@@ -204,8 +204,7 @@ def _add_four_rows(a0, b0, a1, b1, a2, b2, a3, b3, c0, d0, c1, d1, c2, d2, c3, d
             vadd(a2, c2), vadd(b2, d2), vadd(a3, c3), vadd(b3, d3))
 
 
-@njit(inline="always", cache=CACHE)
-def padded_rows(rows, quantized):
+def padded_rows(rows: int, quantized: bool) -> int:
     """The rows a product runs for ``rows`` rows of x: one as it is, and for a quantized weight
     two as well; more padded with zero rows to a multiple of ROW_TILE."""
     return rows if rows <= (2 if quantized else 1) else -(-rows // ROW_TILE) * ROW_TILE
@@ -231,9 +230,9 @@ def one_row(x, r, w, panel, k_dim, out, o):
 def panel_rows(x, w, k_dim, rows, out, n_dim, p, first):
     """Every row of x (flat, rows x k_dim; rows 1 or a multiple of 4, or 2 as two single rows)
     times panel p of w (flat panels), into out (flat, rows x n_dim) at columns [PANEL p, PANEL
-    (p + 1)): the tiles of TILE_ROWS, then of 4, then single rows; ``first``: the pass over the first panel of a run,
-    which no earlier pass asked ahead for (``_pass_plan``). The body of ``_panel_product``'s
-    panel loop, and of the persistent decode kernel's product tasks
+    (p + 1)): the tiles of TILE_ROWS, then of 4, then single rows; ``first``: the pass over the
+    first panel of a run, which no earlier pass asked ahead for (``_pass_plan``). The body of
+    ``_panel_product``'s panel loop, and of the persistent decode kernel's product tasks
     (``kernels/persistent_decode.py``): the same sums, in the same order, in both."""
     six_rows_end = 12 * (rows // 12) if TILE_ROWS == 6 else 0   # rows [0, end) in tiles of 6
     panel = p * k_dim * PANEL                 # where panel p starts in w

@@ -180,7 +180,7 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
                         part_max, part_sum, strides, no_bounds, no_scales, final_norm, head_w,
                         logits, with_head, ctr, num_threads):
     """Every layer of a step of T tokens, in R rows (T, or T padded with zero rows to a multiple
-    of 4, as the panels take them). hidden (R, h): the embeddings in, the last layer's output
+    of 4: ``panel_gemm.padded_rows``). hidden (R, h): the embeddings in, the last layer's output
     out. x / x_flat (R, h) / (R * h,): a norm's output; qkv_out, o_out, d_out: flat (R x padded
     width) product outputs; q (T, H, D), k, v (T, KVH, D); attn (R, H, D) and its flat view;
     gu (R, W) gate/up and g (R, ffn) SiLU's output, each with its flat view. Rows T..R-1 of x,

@@ -8,10 +8,12 @@ by panel): q4_1 ``w = d q + m`` with 4-bit codes, q8_0 ``w = d q`` with int8 cod
 the pieces the products use:
 
 - ``block_scales`` and ``block_at``: a block's scales, and a pair of its k widened to
-  ``d q + m``, which ``quant_widen.py`` writes into a page for the tiles of two rows and more;
+  ``d q + m``, which ``quant_widen.py`` writes into a page for the tiles of more than
+  ``tuning.REGISTER_ROWS`` rows;
 - ``block_row``: a single row (a one-sequence step, bound by the weights' bytes) sums ``x q``
   over each block and scales the block's sum once, ``d sum(x q) + m sum(x)``: one multiply-add
-  a weight, asking for the lines ``tuning.ROW_AHEAD`` bytes on as it goes.
+  a weight, asking for the lines ``tuning.ROW_AHEAD`` bytes on as it goes;
+- ``block_four_rows``: the same for two or four rows at once, each row of codes widened once.
 
 A q4_1 code is widened with integer operations only (``unit_codes``): 1 + q / 16, the code
 moved into a float32's mantissa, scaled by 16 d and offset by m - 16 d (``block_scales``).
@@ -86,8 +88,8 @@ def _block_sum(x, at):
 def block_row(x, w, fmt, k_dim, out, p):
     """The one row of x times panel p of a q4_1 or q8_0 weight, into out[PANEL p : PANEL (p + 1)]:
     the codes' sums first, sum_k x q, scaled once a block (d sum x q + m sum x), a multiply-add a
-    weight fewer than widening each one. (Two rows and more widen a run of the panel once for
-    all of them: ``quant_widen.py``.)
+    weight fewer than widening each one. (Two to eight rows: ``block_four_rows``; more widen a
+    run of the panel once for all of them: ``quant_widen.py``.)
 
     The sums run in four chains, weights j and 16 + j of each register apart, and join once a
     block: with two, each multiply-add waited for the one before it in its chain, and a core's
@@ -133,6 +135,14 @@ def _codes_times_row(x, xk, lo, hi, lo2, hi2, a, b):
 
 
 @njit(fastmath=True, inline="always", cache=CACHE)
+def _codes_times_row_apart(x, xk, lo, hi, lo2, hi2, a, b, a2, b2):
+    """``_codes_times_row`` with x[xk]'s sums (a, b) and x[xk + 16]'s (a2, b2) apart: four
+    chains a row, for two rows at a time."""
+    x0, x1 = vbroadcast(x, xk), vbroadcast(x, xk + 16)
+    return vfma(x0, lo, a), vfma(x0, hi, b), vfma(x1, lo2, a2), vfma(x1, hi2, b2)
+
+
+@njit(fastmath=True, inline="always", cache=CACHE)
 def _join_block(x, xk, fmt, out, o, d_lo, d_hi, m_lo, m_hi, a, b):
     """A row's block sums (a, b), scaled, into its totals at out[o : o + PANEL]: d sum x q, and
     for q4_1 + m sum x over the block (whose x starts at xk)."""
@@ -172,12 +182,17 @@ def block_four_rows(x, w, fmt, k_dim, out, n_dim, p, n):
             else:
                 lo, hi = vload_i8(w, c), vload_i8(w, c + LANES)
                 lo2, hi2 = vload_i8(w, c + 16 * PANEL), vload_i8(w, c + 16 * PANEL + LANES)
-            a0, b0 = _codes_times_row(x, k + j, lo, hi, lo2, hi2, a0, b0)
-            a1, b1 = _codes_times_row(x, k_dim + k + j, lo, hi, lo2, hi2, a1, b1)
-            if n == 4:
+            if n == 4:                                      # two chains a row: eight
+                a0, b0 = _codes_times_row(x, k + j, lo, hi, lo2, hi2, a0, b0)
+                a1, b1 = _codes_times_row(x, k_dim + k + j, lo, hi, lo2, hi2, a1, b1)
                 a2, b2 = _codes_times_row(x, 2 * k_dim + k + j, lo, hi, lo2, hi2, a2, b2)
                 a3, b3 = _codes_times_row(x, 3 * k_dim + k + j, lo, hi, lo2, hi2, a3, b3)
+            else:                                           # two rows: four chains a row
+                a0, b0, a2, b2 = _codes_times_row_apart(x, k + j, lo, hi, lo2, hi2, a0, b0, a2, b2)
+                a1, b1, a3, b3 = _codes_times_row_apart(x, k_dim + k + j, lo, hi, lo2, hi2, a1, b1, a3, b3)
             c += PANEL
+        if n == 2:
+            a0, b0, a1, b1 = vadd(a0, a2), vadd(b0, b2), vadd(a1, a3), vadd(b1, b3)
         d_lo, d_hi, m_lo, m_hi = block_scales(w, at, fmt)
         _join_block(x, k, fmt, out, o, d_lo, d_hi, m_lo, m_hi, a0, b0)
         _join_block(x, k_dim + k, fmt, out, n_dim + o, d_lo, d_hi, m_lo, m_hi, a1, b1)

@@ -17,10 +17,11 @@ loads them, widened in registers (``simd.py``'s byte loads), and asks for the st
 ``tuning.ROW_AHEAD`` bytes ahead (the CPU's own prefetcher falls behind a loop that widens):
 here for bfloat16 and int8 (``dense_row``: its sums over at most K_RUN k, an int8 row's total
 then scaled), in ``quant_blocks.py`` for GGUF's blocks. Up to ``tuning.REGISTER_ROWS`` rows
-(a step of two to eight sequences) do the same four rows at a time (``dense_four_rows``,
-``quant_blocks.block_four_rows``): each k widened once for the four. More rows widen each run
-of a panel once into a page on the stack and run the float32 panels' tiles over it
-(``quant_widen.py``), so only the compact bytes cross the memory bus either way. (A prefill
+(a step of two to eight sequences) do the same, two rows two at a time, 3-8 (padded to 4 or 8)
+four at a time (``dense_four_rows``, ``quant_blocks.block_four_rows``): each k widened once
+for all of them. More rows widen each run of a panel once into a page on the stack and run
+the float32 panels' tiles over it (``quant_widen.py``), so only the compact bytes cross the
+memory bus either way. (A prefill
 widens the whole weight for BLAS: ``quant_widen.widen_transposed``.)
 ``QuantizedWeight.dequantize()`` followed by ``x @ w.T`` is the spec
 (``tests/test_weight_formats.py``).
@@ -206,8 +207,12 @@ def dense_four_rows(x, w, fmt, k_dim, out, n_dim, p, n):
             lo, hi = dense_at(w, fmt, base + k * width)
             if n == 4:
                 a0, b0, a1, b1, a2, b2, a3, b3 = _four_rows(x, 0, k_dim, k, lo, hi, a0, b0, a1, b1, a2, b2, a3, b3)
-            else:
+            elif (k - k0) % 2 == 0:                        # two rows: even and odd k's sums apart
                 a0, b0, a1, b1 = _two_rows(x, 0, k_dim, k, lo, hi, a0, b0, a1, b1)
+            else:
+                a2, b2, a3, b3 = _two_rows(x, 0, k_dim, k, lo, hi, a2, b2, a3, b3)
+        if n == 2:
+            a0, b0, a1, b1 = vadd(a0, a2), vadd(b0, b2), vadd(a1, a3), vadd(b1, b3)
         t0, u0, t1, u1, t2, u2, t3, u3 = _add_four_rows(t0, u0, t1, u1, t2, u2, t3, u3,
                                                         a0, b0, a1, b1, a2, b2, a3, b3)
     o = p * PANEL
@@ -223,8 +228,9 @@ def quant_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
     """Every row of x (flat, rows x k_dim; rows 1, 2 or a multiple of 4) times panel p of a
     quantized weight w (flat uint8 panels, format code ``fmt``), into out (flat, rows x n_dim)
     at columns [PANEL p, PANEL (p + 1)): one branch a panel, each format's loops compiled apart.
-    Up to REGISTER_ROWS rows multiply the codes in registers (one row, or four at a time); more
-    widen each run of the panel once, for the float32 tiles (``quant_widen.widened_rows``)."""
+    Up to REGISTER_ROWS rows multiply the codes in registers (one, two, or four at a time); more
+    widen each run of the panel once, for the float32 tiles (``quant_widen.widened_rows``).
+    Callers pad rows as ``panel_gemm.padded_rows(rows, True)`` does: 3, 5, 6 or 7 never come."""
     x, w, out = borrowed(x), borrowed(w), borrowed(out)   # no reference counts in the loops
     if rows == 1:
         if fmt == BF16:

@@ -133,13 +133,13 @@ ROW_AHEAD = 4096
 
 
 # Up to this many rows (a decode step of 2-8 sequences; 3-8 padded to 4 or 8) multiply a quantized
-# weight's codes in registers, four rows at a time, as one row does; more widen each run of a
+# weight's codes in registers, two or four rows at a time, as one row does; more widen each run of a
 # panel into a page on the stack for the float32 tiles (``quant_panels.quant_rows``). The
 # products of one layer at 4 rows in the caches, before and after (2-core AMD EPYC, Zen 5): q4_1
 # 0.109 against 0.073 ms, int8 0.099 against 0.067; 30 layers streamed, q4_1 3.28 against 2.37,
 # int8 3.36 against 2.71. At 8 rows, registers (twice four rows) against the page: q4_1 0.157
-# against 0.149 ms, int8 0.146 against 0.130 (compiled for AVX2: q4_1 0.317 against 0.282 and
-# 0.291 against 0.310, int8 0.299 against 0.246).
+# against 0.149 ms, int8 0.146 against 0.130 (compiled for AVX2, two runs: q4_1 0.317 against
+# 0.282, then 0.291 against 0.310, registers the slower; int8 0.299 against 0.246).
 REGISTER_ROWS = 8
 
 
