@@ -223,6 +223,20 @@ def dense_four_rows(x, w, fmt, k_dim, out, n_dim, p, n):
         vstore(out, o + 3 * n_dim, vmul(t3, s_lo)); vstore(out, o + 3 * n_dim + LANES, vmul(u3, s_hi))  # noqa: E702
 
 
+@njit(fastmath=True, inline="always", cache=CACHE)
+def _rows_in_registers(x, w, fmt, k_dim, out, n_dim, p, n):
+    """n = 2 or 4 rows (a constant where this is inlined) times panel p, by format: each
+    format's loop compiled apart (``dense_four_rows``, ``block_four_rows``)."""
+    if fmt == BF16:
+        dense_four_rows(x, w, BF16, k_dim, out, n_dim, p, n)
+    elif fmt == INT8:
+        dense_four_rows(x, w, INT8, k_dim, out, n_dim, p, n)
+    elif fmt == Q4_1:
+        block_four_rows(x, w, Q4_1, k_dim, out, n_dim, p, n)
+    else:
+        block_four_rows(x, w, Q8_0, k_dim, out, n_dim, p, n)
+
+
 @njit(fastmath=True, cache=CACHE)
 def quant_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
     """Every row of x (flat, rows x k_dim; rows 1, 2 or a multiple of 4) times panel p of a
@@ -243,26 +257,11 @@ def quant_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
             block_row(x, w, Q8_0, k_dim, out, p)
         return
     if rows == 2:
-        if fmt == BF16:
-            dense_four_rows(x, w, BF16, k_dim, out, n_dim, p, 2)
-        elif fmt == INT8:
-            dense_four_rows(x, w, INT8, k_dim, out, n_dim, p, 2)
-        elif fmt == Q4_1:
-            block_four_rows(x, w, Q4_1, k_dim, out, n_dim, p, 2)
-        else:
-            block_four_rows(x, w, Q8_0, k_dim, out, n_dim, p, 2)
+        _rows_in_registers(x, w, fmt, k_dim, out, n_dim, p, 2)
         return
     if rows <= REGISTER_ROWS:
         for g in range(0, rows, 4):                      # (rows: 4 or 8)
-            xg, og = x[g * k_dim:], out[g * n_dim:]
-            if fmt == BF16:
-                dense_four_rows(xg, w, BF16, k_dim, og, n_dim, p, 4)
-            elif fmt == INT8:
-                dense_four_rows(xg, w, INT8, k_dim, og, n_dim, p, 4)
-            elif fmt == Q4_1:
-                block_four_rows(xg, w, Q4_1, k_dim, og, n_dim, p, 4)
-            else:
-                block_four_rows(xg, w, Q8_0, k_dim, og, n_dim, p, 4)
+            _rows_in_registers(x[g * k_dim:], w, fmt, k_dim, out[g * n_dim:], n_dim, p, 4)
         return
     page = stack_floats(RUN_FLOATS)       # (K_RUN, PANEL) float32: one slot of this frame, in L1
     if fmt == BF16:
