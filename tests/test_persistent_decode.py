@@ -22,6 +22,7 @@ from minipaged.kernels.layout import AttentionMetadata, kv_cache_shape
 from minipaged.model.config import LlamaConfig
 from minipaged.model.llama import LlamaModel
 from minipaged.model.random_llama import random_tensors, tiny_config
+from minipaged.model.weights import quantize_matrices
 from tiny_model import make_llm
 from minipaged import SamplingParams
 
@@ -159,7 +160,8 @@ def test_a_single_sequence_step_gives_the_layer_by_layer_floats(monkeypatch, sha
     ``split``: long contexts cut over the threads (split-K items, then merged)."""
     runs = _count_runs(monkeypatch)
     cfg, model = _model(seed=shape, **SHAPES[shape])
-    _tune(model, split_min_tokens=8 if split else 1 << 30)
+    threshold = 8 if split else 1 << 30       # both paths' plans alike: the same items, the same floats
+    _tune(model, split_min_tokens=threshold, persistent_split_min_tokens=threshold)
     assert _stack(model) is not None
     rng = np.random.default_rng(shape + 10 * block_size)
     for prompt_len in (1, 7, 40, 130):
@@ -177,6 +179,26 @@ def test_a_single_sequence_step_gives_the_layer_by_layer_floats(monkeypatch, sha
         twice = model.forward(ids, positions, kv, meta, np.array([0, 0]))   # two samples of one row
         np.testing.assert_array_equal(twice, np.concatenate([expected, expected]))
     assert len(runs) == 10   # each decode step (twice), and the prompts of 1 and 7 tokens (under BLAS_MIN_QUERIES)
+
+
+def test_a_persistent_step_splits_shorter_contexts_than_the_layer_by_layer_path():
+    """Inside the persistent kernel the threads already run, so its plan cuts a single decode's
+    context from ``persistent_split_min_tokens`` a thread; a step that goes layer by layer (the
+    kernel turned off, or a compressed KV cache) keeps ``split_min_tokens``. Either way the
+    slices' merged output is the unsplit floats' to float32 rounding (the spec: the dense path)."""
+    cfg, model = _model(seed=7, **SHAPES[2])
+    _tune(model, split_min_tokens=1 << 30, persistent_split_min_tokens=8)
+    kv, ids, positions, meta = _prefill(cfg, model, 40, 16, np.random.default_rng(2))
+    threads = get_num_threads()
+    plan = model.ops.plan_step(model.weights, meta, kv).attention
+    assert len(plan.merges) == (threads > 1 and 41 >= 8 * threads)   # persistent: split
+    assert len(model.ops.plan_step(model.weights, meta, kv.astype(np.int8)).attention.merges) == 0
+    _tune(model, split_min_tokens=1 << 30, persistent_split_min_tokens=8, persistent_decode=False)
+    assert len(model.ops.plan_step(model.weights, meta, kv).attention.merges) == 0
+    unsplit = model.forward(ids, positions, kv.copy(), meta, np.array([0]))
+    _tune(model, split_min_tokens=1 << 30, persistent_split_min_tokens=8)
+    got = model.forward(ids, positions, kv.copy(), meta, np.array([0]))
+    np.testing.assert_allclose(got, unsplit, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("num_threads", [1, 3])
@@ -306,6 +328,30 @@ def test_a_step_of_several_sequences_gives_the_layer_by_layer_floats(monkeypatch
         np.testing.assert_array_equal(kv_got, kv_ref)
         assert got.flags.c_contiguous     # vocab 259: the head's panels pad it to 272 columns
     assert len(runs) == 2
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "q4_1"])
+def test_a_quantized_step_gives_the_layer_by_layer_floats_at_every_row_count(monkeypatch, fmt):
+    """A model stored in ``fmt`` (its panels the only copy of its weights): decode steps of 1, 2
+    and 3 sequences (codes times one or two rows in registers, three padded to four), 4 and 8 (four
+    rows at a time), 12 (the runs widened for the float32 tiles): the persistent kernel gives the
+    layer-by-layer path's logits and K/V bit for bit, every row through the same product loops."""
+    config = tiny_config(intermediate_size=128)
+    cfg = LlamaConfig.from_dict(config)
+    model = LlamaModel(cfg, quantize_matrices(random_tensors(config, 9), fmt), FastOps())
+    assert _stack(model) is not None and model.weights.tier_state.quantized
+    runs = _count_runs(monkeypatch)
+    for n in (1, 2, 3, 4, 8, 12):
+        kv, ids, positions, meta = _batch(cfg, model, 4, np.random.default_rng(n), [1] * n)
+        kv_ref, kv_got = kv.copy(), kv.copy()
+        _tune(model, persistent_decode=False)
+        expected = model.forward(ids, positions, kv_ref, meta, np.arange(n))
+        _tune(model, persistent_decode=True)
+        runs.clear()                   # (the prompts, short, ran as the kernel too)
+        got = model.forward(ids, positions, kv_got, meta, np.arange(n))
+        assert runs == [(n, cfg.hidden_size)]                  # the step ran in the kernel
+        np.testing.assert_array_equal(got, expected, err_msg=f"{n} rows")
+        np.testing.assert_array_equal(kv_got, kv_ref)
 
 
 def test_other_steps_go_layer_by_layer():

@@ -27,12 +27,15 @@ from .simd import SIMD_CACHE
 from .tuning import DEFAULT_TUNING, QUERY_TILE, FastTuning
 
 _NO_SCALES = np.ones((1, 1, 1), np.float32)    # a float cache: no scales
+_WHOLE_CONTEXT = (1 << 62) - 1                 # an item's end token past any context: all of it
 
 
 def attention_work_items(query_start_loc: np.ndarray, seqs: np.ndarray) -> np.ndarray:
     """List the (sequence, first query row) tiles of the given sequences: (W, 2) int64."""
     starts = query_start_loc[seqs].astype(np.int64)                   # (n,)
     q_lens = query_start_loc[seqs + 1].astype(np.int64) - starts       # (n,)
+    if len(q_lens) and 1 <= q_lens.min() and q_lens.max() <= QUERY_TILE:   # a tile each (decodes)
+        return np.stack((seqs.astype(np.int64), starts), axis=1)
     tiles = -(-q_lens // QUERY_TILE)                                  # (n,) ceil
     work = np.empty((int(tiles.sum()), 2), dtype=np.int64)
     work[:, 0] = np.repeat(seqs, tiles)
@@ -50,15 +53,14 @@ def split_work(tiles: np.ndarray, meta: AttentionMetadata, num_threads: int,
     ``first_read`` (S,): with sliding windows, the first position any layer reads: the slices
     share out only the context from there."""
     items, merges, slot = [], [], 0
-    whole = np.iinfo(np.int64).max // 2
+    whole = _WHOLE_CONTEXT
     split = 0 < len(tiles) < num_threads
     for s, t0 in tiles.tolist():
         seq_len = int(meta.seq_lens[s])
         first = int(first_read[s]) if first_read is not None else 0
         if split and seq_len - first >= split_min_tokens * num_threads:
             # token edges; the last is past every block, so the slices cover the whole context
-            edges = np.linspace(first, seq_len, num_threads + 1).astype(np.int64)
-            edges[-1] = whole
+            edges = [first + (seq_len - first) * p // num_threads for p in range(num_threads)] + [whole]
             merges.append((s, t0, slot, num_threads))
             for p in range(num_threads):
                 items.append((s, t0, int(edges[p]), int(edges[p + 1]), slot))
@@ -84,11 +86,13 @@ class AttentionPlan:
 
 
 def plan_attention(meta: AttentionMetadata, gemm=None, tuning: FastTuning = DEFAULT_TUNING,
-                   first_read: np.ndarray | None = None) -> AttentionPlan:
+                   first_read: np.ndarray | None = None, persistent: bool = False) -> AttentionPlan:
     """How one batch's attention splits: prompts and big chunks to the prompt path (the prompt
     kernel on a float32 cache, else BLAS, through ``gemm``, oneMKL, when given), decodes and
     short chunks to the paged kernels' work items. ``first_read`` (S,): sliding windows' first
-    position read (``kernels/ops.py`` ``first_read_positions``), where split-K slices begin."""
+    position read (``kernels/ops.py`` ``first_read_positions``), where split-K slices begin.
+    ``persistent``: the persistent decode kernel will run the step, if it has no prompt: long
+    contexts split from ``tuning.persistent_split_min_tokens`` a thread, else ``split_min_tokens``."""
     qsl = meta.query_start_loc
     q_lens = np.diff(qsl)                                              # (S,)
     long_runs = q_lens >= tuning.prompt_min_queries
@@ -98,7 +102,9 @@ def plan_attention(meta: AttentionMetadata, gemm=None, tuning: FastTuning = DEFA
     # work estimate for the Numba part: query tokens x longest context x 8 heads-ish
     estimate = int(q_lens[small].sum()) * int(meta.seq_lens[small].max()) * 8 if len(small) else 0
     threads = get_num_threads()
-    items, merges = split_work(work, meta, threads, tuning.split_min_tokens, first_read)
+    awake = persistent and len(prompt_seqs) == 0       # the threads already run: a slice is a phase
+    split_min = tuning.persistent_split_min_tokens if awake else tuning.split_min_tokens
+    items, merges = split_work(work, meta, threads, split_min, first_read)
     return AttentionPlan(meta, prompt_seqs, work, estimate, threads, items, merges, gemm, tuning)
 
 

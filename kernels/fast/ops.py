@@ -192,8 +192,18 @@ class FastOps:
         path = self.linear_paths.for_kind(kind)
         if isinstance(weights.tier_state, FastState):
             weights.tier_state.steps_by_path[kind, path] += 1
-        return FastPlan(plan_attention(meta, self.gemm if path == "mkl" else None, self.tuning, first_read), path,
-                        num_blocks)
+        persistent = self._persistent_may_run(weights.tier_state, path, meta, kv_cache)
+        return FastPlan(plan_attention(meta, self.gemm if path == "mkl" else None, self.tuning, first_read,
+                                       persistent), path, num_blocks)
+
+    def _persistent_may_run(self, state, path: str, meta: AttentionMetadata, kv_cache) -> bool:
+        """Whether ``decode_step`` may run this step in the persistent kernel, as far as the plan can
+        tell (``decode_step`` and ``persistent_decode.usable`` decide: a block-sparse step, say,
+        still goes layer by layer, its attention split as planned)."""
+        t = self.tuning
+        return (t.persistent_decode and t.vector_attention and isinstance(state, FastState)
+                and state.persistent is not None and (path == "numba" or state.quantized)
+                and kv_cache.dtype == np.float32 and meta.num_tokens <= t.panel_max_rows)
 
     def decode_step(self, weights: ModelWeights, hidden, positions, kv_cache, plan: FastPlan, rope: Rope,
                     scale: float, eps: float, num_heads: int, with_head: bool, layer_quant=None, layer_bounds=None):
