@@ -181,7 +181,7 @@ def test_a_single_sequence_step_gives_the_layer_by_layer_floats(monkeypatch, sha
     assert len(runs) == 10   # each decode step (twice), and the prompts of 1 and 7 tokens (under BLAS_MIN_QUERIES)
 
 
-def test_a_persistent_step_splits_shorter_contexts_than_the_layer_by_layer_path():
+def test_a_persistent_step_splits_shorter_contexts_than_the_layer_by_layer_path(monkeypatch):
     """Inside the persistent kernel the threads already run, so its plan cuts a single decode's
     context from ``persistent_split_min_tokens`` a thread; a step that goes layer by layer (the
     kernel turned off, or a compressed KV cache) keeps ``split_min_tokens``. Either way the
@@ -189,15 +189,18 @@ def test_a_persistent_step_splits_shorter_contexts_than_the_layer_by_layer_path(
     cfg, model = _model(seed=7, **SHAPES[2])
     _tune(model, split_min_tokens=1 << 30, persistent_split_min_tokens=8)
     kv, ids, positions, meta = _prefill(cfg, model, 40, 16, np.random.default_rng(2))
+    runs = _count_runs(monkeypatch)
     threads = get_num_threads()
     plan = model.ops.plan_step(model.weights, meta, kv).attention
     assert len(plan.merges) == (threads > 1 and 41 >= 8 * threads)   # persistent: split
     assert len(model.ops.plan_step(model.weights, meta, kv.astype(np.int8)).attention.merges) == 0
-    _tune(model, split_min_tokens=1 << 30, persistent_split_min_tokens=8, persistent_decode=False)
+    _tune(model, persistent_decode=False)
     assert len(model.ops.plan_step(model.weights, meta, kv).attention.merges) == 0
     unsplit = model.forward(ids, positions, kv.copy(), meta, np.array([0]))
-    _tune(model, split_min_tokens=1 << 30, persistent_split_min_tokens=8)
+    assert not runs
+    _tune(model, persistent_decode=True)
     got = model.forward(ids, positions, kv.copy(), meta, np.array([0]))
+    assert len(runs) == 1                                      # the split step ran in the kernel
     np.testing.assert_allclose(got, unsplit, rtol=1e-4, atol=1e-4)
 
 

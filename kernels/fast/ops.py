@@ -198,8 +198,8 @@ class FastOps:
 
     def _persistent_may_run(self, state, path: str, meta: AttentionMetadata, kv_cache) -> bool:
         """Whether ``decode_step`` may run this step in the persistent kernel, as far as the plan can
-        tell (``decode_step`` and ``persistent_decode.usable`` decide: a block-sparse step, say,
-        still goes layer by layer, its attention split as planned)."""
+        tell (``decode_step`` and ``persistent_decode.usable`` decide: a block-sparse step or a
+        tensor-parallel shard's still goes layer by layer, its attention split as planned)."""
         t = self.tuning
         return (t.persistent_decode and t.vector_attention and isinstance(state, FastState)
                 and state.persistent is not None and (path == "numba" or state.quantized)

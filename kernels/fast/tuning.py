@@ -51,10 +51,10 @@ class FastTuning:
     # The same, for a step the persistent decode kernel runs (``persistent_decode.py``): its threads
     # are already in the region, so a slice costs one more phase, not a wake-up; the layer-by-layer
     # path runs a small decode's slices one after another on one thread (``attention_parallel_min_work``),
-    # where they only add a merge. One decode of ~300 tokens, gguf weights, the engine's steps
-    # alternated in one process (2-core AMD EPYC, Zen 5): 3.40 ms a step at 256 against 3.19 at 64;
-    # ~200 tokens 3.80 against 3.56; ~120 (under 2 x 64: no split) 3.17 against 3.08; layer by
-    # layer at 64, 6.45 against 6.68 ms (~200 tokens), float32 17.2 against 17.5 (~400).
+    # where they only add a merge. One decode, gguf, the engine's steps alternated in one process
+    # (2-core AMD EPYC, Zen 5; the memory's speed moved between sittings): ~300 tokens 3.40 ms a step
+    # at 256 against 3.19 at 64, then ~316 3.86 against 3.71 (int8 4.35 / 4.11); ~120 (no split) 3.17
+    # and 3.08. Layer by layer at 64: 6.45 against 6.68 ms (~200 tokens), float32 17.2 / 17.5 (~400).
     persistent_split_min_tokens: int = 64
 
     # -- which engine multiplies a linear layer -------------------------------------------------------
