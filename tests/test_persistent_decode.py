@@ -204,6 +204,23 @@ def test_a_persistent_step_splits_shorter_contexts_than_the_layer_by_layer_path(
     np.testing.assert_allclose(got, unsplit, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("block_size", [1, 16, 128, 256])
+@pytest.mark.parametrize("context", [100, 200, 300, 520, 1100])
+def test_every_slice_of_a_split_context_reads_a_block_or_more(block_size, context):
+    """Slices read the blocks their token edges fall in: a context splits (from 64 tokens a
+    thread, three threads) only where every slice gets at least one block, and the slices' blocks
+    cover the context's once, in order."""
+    meta = AttentionMetadata(np.zeros(1, np.int64), np.array([0, 1], np.int32), np.array([context], np.int32),
+                             np.zeros((1, -(-context // block_size)), np.int32), 1, context)
+    items, merges = attention.split_work(np.array([[0, 0]]), meta, 3, 64, None, block_size)
+    assert len(merges) == (context >= 3 * max(64, block_size))
+    if len(merges):
+        blocks = [(first // block_size, min(end // block_size, -(-context // block_size))) for _, _, first, end, _ in items]
+        assert all(b0 < b1 for b0, b1 in blocks)                              # no slice without a block
+        assert blocks[0][0] == 0 and blocks[-1][1] == -(-context // block_size)
+        assert all(blocks[i][1] == blocks[i + 1][0] for i in range(len(blocks) - 1))
+
+
 @pytest.mark.parametrize("num_threads", [1, 3])
 def test_the_step_completes_whatever_threads_run_it(num_threads):
     """The kernel's iterations on one thread, or more iterations than threads (some run one

@@ -47,18 +47,19 @@ def attention_work_items(query_start_loc: np.ndarray, seqs: np.ndarray) -> np.nd
 
 def split_work(tiles: np.ndarray, meta: AttentionMetadata, num_threads: int,
                split_min_tokens: int = DEFAULT_TUNING.split_min_tokens,
-               first_read: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+               first_read: np.ndarray | None = None, block_size: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's items (W, 5) [sequence, first query row, first token, end token, partial slot]
     and the split tiles to merge (M, 4) [sequence, first query row, first slot, slices].
     ``first_read`` (S,): with sliding windows, the first position any layer reads: the slices
-    share out only the context from there."""
+    share out only the context from there. A slice reads the blocks its token edges fall in
+    (edge // ``block_size``), so a tile splits only where each slice spans a block or more."""
     items, merges, slot = [], [], 0
     whole = _WHOLE_CONTEXT
     split = 0 < len(tiles) < num_threads
     for s, t0 in tiles.tolist():
         seq_len = int(meta.seq_lens[s])
         first = int(first_read[s]) if first_read is not None else 0
-        if split and seq_len - first >= split_min_tokens * num_threads:
+        if split and seq_len - first >= max(split_min_tokens, block_size) * num_threads:
             # token edges; the last is past every block, so the slices cover the whole context
             edges = [first + (seq_len - first) * p // num_threads for p in range(num_threads)] + [whole]
             merges.append((s, t0, slot, num_threads))
@@ -86,13 +87,15 @@ class AttentionPlan:
 
 
 def plan_attention(meta: AttentionMetadata, gemm=None, tuning: FastTuning = DEFAULT_TUNING,
-                   first_read: np.ndarray | None = None, persistent: bool = False) -> AttentionPlan:
+                   first_read: np.ndarray | None = None, persistent: bool = False,
+                   block_size: int = 1) -> AttentionPlan:
     """How one batch's attention splits: prompts and big chunks to the prompt path (the prompt
     kernel on a float32 cache, else BLAS, through ``gemm``, oneMKL, when given), decodes and
     short chunks to the paged kernels' work items. ``first_read`` (S,): sliding windows' first
     position read (``kernels/ops.py`` ``first_read_positions``), where split-K slices begin.
     ``persistent``: the persistent decode kernel will run the step, if it has no prompt: long
-    contexts split from ``tuning.persistent_split_min_tokens`` a thread, else ``split_min_tokens``."""
+    contexts split from ``tuning.persistent_split_min_tokens`` a thread, else ``split_min_tokens``
+    (and at least a block of the pool's ``block_size`` a slice)."""
     qsl = meta.query_start_loc
     q_lens = np.diff(qsl)                                              # (S,)
     long_runs = q_lens >= tuning.prompt_min_queries
@@ -104,7 +107,7 @@ def plan_attention(meta: AttentionMetadata, gemm=None, tuning: FastTuning = DEFA
     threads = get_num_threads()
     awake = persistent and len(prompt_seqs) == 0       # the threads already run: a slice is a phase
     split_min = tuning.persistent_split_min_tokens if awake else tuning.split_min_tokens
-    items, merges = split_work(work, meta, threads, split_min, first_read)
+    items, merges = split_work(work, meta, threads, split_min, first_read, block_size)
     return AttentionPlan(meta, prompt_seqs, work, estimate, threads, items, merges, gemm, tuning)
 
 

@@ -194,7 +194,7 @@ class FastOps:
             weights.tier_state.steps_by_path[kind, path] += 1
         persistent = self._persistent_may_run(weights.tier_state, path, meta, kv_cache)
         return FastPlan(plan_attention(meta, self.gemm if path == "mkl" else None, self.tuning, first_read,
-                                       persistent), path, num_blocks)
+                                       persistent, block_size), path, num_blocks)
 
     def _persistent_may_run(self, state, path: str, meta: AttentionMetadata, kv_cache) -> bool:
         """Whether ``decode_step`` may run this step in the persistent kernel, as far as the plan can
