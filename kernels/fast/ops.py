@@ -197,8 +197,8 @@ class FastOps:
                                        persistent, block_size), path, num_blocks)
 
     def _persistent_may_run(self, state, path: str, meta: AttentionMetadata, kv_cache) -> bool:
-        """Whether ``decode_step`` may run this step in the persistent kernel, as far as the plan can
-        tell (``decode_step`` and ``persistent_decode.usable`` decide: a block-sparse step or a
+        """Whether this step may run in the persistent kernel, as far as the plan can tell (then
+        ``decode_step`` and ``persistent_decode.usable`` decide: a block-sparse step or a
         tensor-parallel shard's still goes layer by layer, its attention split as planned)."""
         t = self.tuning
         return (t.persistent_decode and t.vector_attention and isinstance(state, FastState)
@@ -208,8 +208,8 @@ class FastOps:
     def decode_step(self, weights: ModelWeights, hidden, positions, kv_cache, plan: FastPlan, rope: Rope,
                     scale: float, eps: float, num_heads: int, with_head: bool, layer_quant=None, layer_bounds=None):
         state = weights.tier_state
-        if (layer_quant is not None or layer_bounds is not None or not isinstance(state, FastState)
-                or state.persistent is None or (plan.path != "numba" and not state.quantized)):
+        if (layer_quant is not None or layer_bounds is not None
+                or not self._persistent_may_run(state, plan.path, plan.attention.meta, kv_cache)):
             return None
         return decode_layers(state.persistent, hidden, positions, kv_cache, plan.attention, scale, eps, rope.cos,
                              rope.sin, num_heads, with_head, tuning=self.tuning)
