@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit, prange
 
 from .kv_quant import KV_FLOAT, KV_INT8, K_SCALE_CONSTANT, V_SCALE_CONSTANT, float_to_fp8, fp8_widen_scale, widen
-from .weight_formats import dequantized
+from .weight_formats import product
 from .layout import AttentionMetadata, BlockBounds, KVQuant
 from .ops import ModelWeights, Rope, check_block_ids, check_slots, first_read_positions, window_first_read
 
@@ -292,8 +292,8 @@ class SimpleOps:
     def linear(self, x: np.ndarray, w, plan=None) -> np.ndarray:
         """x (T, in) @ w.T -> (T, out), w (out, in): one matrix product by BLAS. A weight in a
         compact format (``kernels/weight_formats.py``) is widened to float32 first, every call:
-        its spec, and the bytes it is stored in stay compact."""
-        return x @ dequantized(w).T
+        its spec, and the bytes it is stored in stay compact ("q4_1_a8" rounds x first)."""
+        return product(x, w)
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """x (T, hidden) / rms(x) * weight (hidden,) -> (T, hidden)."""

@@ -17,11 +17,14 @@ Formats, and the bytes one weight costs:
                    w = d * q + m; byte j of a block's codes holds weight j (low nibble) and
                    weight j + 16 (high nibble)
 "q8_0"      1.0625 GGUF's blocks of 32: d float16 and 32 int8 codes, w = d * q
+"q4_1_a8"   0.625  "q4_1"'s bytes and meaning, multiplied by x rounded to int8 a block of 32
+                   (``round_activations``), as llama.cpp multiplies Q4_1 (``--quantization gguf_a8``)
 =========== ====== ===================================================================
 
 ``QuantizedWeight`` holds a weight (out, in) in one of the compact formats, with
-``dequantize()``, the NumPy spec every tier's kernels are tested against (the plain tier
-multiplies by exactly this). Activations and sums stay float32 in every tier.
+``dequantize()`` and ``product(x)``, the NumPy spec every tier's kernels are tested against (the
+plain tier computes exactly this). Activations and sums stay float32 in every tier, but for
+"q4_1_a8", whose products read x rounded to int8 codes with a float32 scale a block of 32.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q8_0")
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q8_0", "q4_1_a8")
 QUANTIZED_FORMATS = WEIGHT_FORMATS[1:]
 GGUF_BLOCK = 32                                       # weights in one GGUF block
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}                # bytes of one block: the scales and the codes
-BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "q4_1": 20 / 32, "q8_0": 34 / 32}
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q4_1_a8": 20}  # bytes of one block: the scales and the codes
+BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "q4_1": 20 / 32, "q8_0": 34 / 32,
+                    "q4_1_a8": 20 / 32}
+ROUNDS_ACTIVATIONS = ("q4_1_a8",)                     # formats whose products read x rounded to int8
 
 
 @dataclass(frozen=True)
@@ -43,13 +48,14 @@ class QuantizedWeight:
 
     fmt: str
     data: np.ndarray                 # bfloat16: (out, in) uint16; int8: (out, in) int8;
-                                     # q4_1 / q8_0: (out, in // 32, 20 or 34) uint8, GGUF's bytes
+                                     # q4_1(_a8) / q8_0: (out, in // 32, 20 or 34) uint8, GGUF's bytes
     scales: np.ndarray | None = None  # int8: (out,) float32; else None
 
     def __post_init__(self) -> None:
         if self.fmt not in QUANTIZED_FORMATS:
             raise ValueError(f"a quantized weight's format is one of {QUANTIZED_FORMATS}, got {self.fmt!r}")
-        expected = {"bfloat16": (np.uint16, 2), "int8": (np.int8, 2), "q4_1": (np.uint8, 3), "q8_0": (np.uint8, 3)}
+        expected = {"bfloat16": (np.uint16, 2), "int8": (np.int8, 2), "q4_1": (np.uint8, 3), "q8_0": (np.uint8, 3),
+                    "q4_1_a8": (np.uint8, 3)}
         dtype, ndim = expected[self.fmt]
         if self.data.dtype != dtype or self.data.ndim != ndim:
             raise ValueError(f"a {self.fmt} weight's data is a {ndim}-D {np.dtype(dtype)} array, "
@@ -94,6 +100,12 @@ class QuantizedWeight:
         codes = blocks[..., 4:]                                        # (out, in / 32, 16)
         q = np.concatenate([codes & 0x0F, codes >> 4], axis=-1).astype(np.float32)   # (out, in / 32, 32)
         return (d * q + m).reshape(self.shape)
+
+    def product(self, x: np.ndarray) -> np.ndarray:
+        """x (T, in) @ w.T, (T, out) float32, as every tier computes it: the dequantized weight's
+        plain product, with x rounded first for a format that rounds it (``round_activations``)."""
+        x = np.asarray(x, np.float32)
+        return (round_activations(x) if self.fmt in ROUNDS_ACTIVATIONS else x) @ self.dequantize().T
 
     def rows(self, ids) -> np.ndarray:
         """Rows ``ids`` (T,) dequantized: (T, in) float32 (an embedding lookup)."""
@@ -155,9 +167,26 @@ def quantize(w: np.ndarray, fmt: str) -> np.ndarray | QuantizedWeight:
     from gguf import GGMLQuantizationType                     # noqa: PLC0415 (llama.cpp's own quantizers)
     from gguf.quants import quantize as gguf_quantize        # noqa: PLC0415
 
-    kind = GGMLQuantizationType.Q4_1 if fmt == "q4_1" else GGMLQuantizationType.Q8_0
+    kind = GGMLQuantizationType.Q8_0 if fmt == "q8_0" else GGMLQuantizationType.Q4_1
     raw = gguf_quantize(w, kind)                                          # (out, in / 32 * bytes) uint8
     return QuantizedWeight(fmt, raw.reshape(w.shape[0], -1, BLOCK_BYTES[fmt]))
+
+
+def round_activations(x: np.ndarray) -> np.ndarray:
+    """x (..., in) float32 as a "q4_1_a8" product reads it: each row's blocks of 32 rounded to
+    int8 codes q = rint(x / d) with d = max |x| / 127 of the block (llama.cpp's q8_1, its d
+    kept float32), and returned as q * d. In float32 throughout: the fast tier's codes are these
+    (``kernels/fast/quant_a8.py``). A block with a nan or an inf comes back non-finite."""
+    x = np.asarray(x, np.float32)
+    if x.shape[-1] % GGUF_BLOCK:
+        raise ValueError(f"x is rounded in blocks of {GGUF_BLOCK}: its rows of {x.shape[-1]} are not")
+    blocks = x.reshape(x.shape[:-1] + (-1, GGUF_BLOCK))                     # (..., in / 32, 32)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)        # (..., in / 32, 1)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):   # non-finite blocks: named above
+        inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, np.float32(1)), np.float32(0))   # (..., in / 32, 1)
+        scaled = blocks * inv.astype(np.float32)                            # (..., in / 32, 32)
+        q = np.rint(np.where(np.isfinite(scaled), scaled, np.float32(0)))  # (..., in / 32, 32) the codes
+        return (q * d).astype(np.float32).reshape(x.shape)
 
 
 def concat_rows(weights: list) -> np.ndarray | QuantizedWeight:
@@ -179,6 +208,6 @@ def lookup(table, ids):
     return table.rows(ids) if isinstance(table, QuantizedWeight) else table[ids]
 
 
-def dequantized(w):
-    """A linear weight as float32 (out, in): ``w`` itself when it is not quantized."""
-    return w.dequantize() if isinstance(w, QuantizedWeight) else w
+def product(x: np.ndarray, w) -> np.ndarray:
+    """x (T, in) @ w.T for a float weight or a QuantizedWeight (its spec, ``QuantizedWeight.product``)."""
+    return w.product(x) if isinstance(w, QuantizedWeight) else x @ w.T

@@ -116,7 +116,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")   # the CPU computes in float32 (bf16 widened on load)
 CPU_GEMMS = ("auto", "mkl", "numba")      # the fast tier's linear layers (kernels/fast/packed_gemm.py)
 KERNEL_TIERS = ("fast", "simple")         # the CPU's tiers of kernels (kernels/ops.py); a GPU runs CUDA's
-QUANTIZATIONS = (None, "int8", "gguf")    # weights in fewer bytes on the CPU (kernels/weight_formats.py)
+QUANTIZATIONS = (None, "int8", "gguf", "gguf_a8")   # weights in fewer bytes on the CPU (kernels/weight_formats.py)
 
 
 def default_kernels() -> str:
@@ -137,7 +137,8 @@ class EngineConfig:
     cpu_gemm: str = "auto"   # the CPU's linear layers: auto (each kind of step the engine timed faster here), mkl, numba
     kernels: str = field(default_factory=default_kernels)   # the CPU's tier: "fast" (kernels/fast/) or "simple"
     # the CPU's weights in fewer bytes: None (as dtype says: float32, or bfloat16), "int8" (a scale
-    # per output row), "gguf" (the model's GGUF file's own blocks: Q4_1, Q8_0); vLLM's --quantization
+    # per output row), "gguf" (the model's GGUF file's own blocks: Q4_1, Q8_0), "gguf_a8" (those
+    # blocks, the Q4_1 products reading x rounded to int8, as llama.cpp's do); vLLM's --quantization
     quantization: str | None = None
 
     def __post_init__(self) -> None:

@@ -188,10 +188,10 @@ def gguf_file(model_path: str | Path, name: str | None = None, progress: bool = 
         return found[0]
     if len(found) > 1:
         raise ModelFormatError(f"{path} holds {len(found)} GGUF files ({', '.join(f.name for f in found)}); "
-                               "quantization='gguf' reads one: leave one there")
+                               "quantization='gguf' (or 'gguf_a8') reads one: leave one there")
     if name not in KNOWN_MODELS:
-        raise ModelFormatError(f"quantization='gguf' computes on a GGUF file's blocks, and {path} holds no *.gguf "
-                               "file: copy the model's GGUF file into the directory")
+        raise ModelFormatError(f"quantization='gguf' (or 'gguf_a8') computes on a GGUF file's blocks, and {path} "
+                               "holds no *.gguf file: copy the model's GGUF file into the directory")
     source = _source(name)
     with tempfile.TemporaryDirectory(dir=path, prefix=".gguf.partial-") as tmp:
         tmp = Path(tmp)

@@ -91,7 +91,7 @@ def read_gguf_weights(gguf_path: str | Path) -> dict:
     reader = _open(Path(gguf_path))
     arch = read_field(reader, "general.architecture")
     if arch != "llama":
-        raise ModelFormatError(f"{gguf_path}: GGUF architecture {arch!r}; quantization='gguf' reads 'llama' files "
+        raise ModelFormatError(f"{gguf_path}: GGUF architecture {arch!r}; quantization='gguf' (or 'gguf_a8') reads 'llama' files "
                                "(use the model's safetensors: no quantization, dtype='bfloat16' or quantization='int8')")
     heads = read_field(reader, "llama.attention.head_count")
     kv_heads = read_field(reader, "llama.attention.head_count_kv", heads)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..kernels.weight_formats import bf16_to_float32, quantize   # bfloat16: the top half of a float32
+from ..kernels.weight_formats import QuantizedWeight, bf16_to_float32, quantize   # bf16: a float32's top half
 from .errors import ModelFormatError
 
 # safetensors dtype tag -> numpy dtype; BF16 has no numpy dtype and is widened below
@@ -92,14 +92,19 @@ def load_weights(model_dir: str | Path, weight_format: str = "float32") -> dict:
     (``gguf_convert.read_gguf_weights``; a registry model fetched before the file was kept gets
     it now); "bfloat16" or "int8", every matrix of the safetensors checkpoint quantized whole,
     here, before any worker takes its slice (an int8 row's scale is the whole row's, whichever
-    rank holds which of its columns); "float32", the checkpoint as it is."""
+    rank holds which of its columns); "float32", the checkpoint as it is; "gguf_a8", the GGUF's
+    blocks with its Q4_1 matrices as "q4_1_a8" (their products read x rounded to int8)."""
     if weight_format in ("bfloat16", "int8"):
         return quantize_matrices(load_checkpoint(model_dir), weight_format)
-    if weight_format != "gguf":
+    if weight_format not in ("gguf", "gguf_a8"):
         return load_checkpoint(model_dir)
     from .gguf_convert import read_gguf_weights         # noqa: PLC0415 (a GGUF model only)
 
-    return read_gguf_weights(gguf_path_of(model_dir))
+    tensors = read_gguf_weights(gguf_path_of(model_dir))
+    if weight_format == "gguf_a8":
+        tensors = {name: QuantizedWeight("q4_1_a8", t.data) if isinstance(t, QuantizedWeight) and t.fmt == "q4_1"
+                   else t for name, t in tensors.items()}
+    return tensors
 
 
 def quantize_matrices(tensors: dict, weight_format: str) -> dict:

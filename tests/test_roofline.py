@@ -83,8 +83,10 @@ def test_machine_probes_measure_something():
 def run_roofline_bench(model_dir, out, monkeypatch, *extra: str) -> dict:
     """``bench roofline`` in this process on the tiny model, the machine probes made cheap."""
     peaks, bandwidths = iter([2e10, 1.5e10]), iter([0.5e10, 1e10])   # start, end: the better of each counts
+    integers = iter([1e11, 0.8e11])
     monkeypatch.setattr(roofline, "matmul_peak", lambda: next(peaks))
     monkeypatch.setattr(roofline, "read_bandwidth", lambda: next(bandwidths))
+    monkeypatch.setattr(roofline, "integer_peak", lambda: next(integers))
     args = build_parser().parse_args([
         "bench", "roofline", "--model", str(model_dir), "--device", "cpu", "--swap-space", "0",
         "--log-stats-interval", "0", "--out", str(out), *extra])
@@ -109,13 +111,13 @@ def test_roofline_rows_against_the_models_own_arrays(tiny_model_dir, tmp_path, m
     per_pair = 4 * c.num_attention_heads * c.head_dim * c.num_hidden_layers   # q.k and p.v, every head and layer
     machine = report["machine"]
     assert machine["matmul_peak"] == 2e10 and machine["read_bandwidth"] == 1e10
-    assert machine["probes"] == [{"matmul_peak": 2e10, "read_bandwidth": 0.5e10},
-                                 {"matmul_peak": 1.5e10, "read_bandwidth": 1e10}]
+    assert machine["probes"] == [{"matmul_peak": 2e10, "read_bandwidth": 0.5e10, "integer_peak": 1e11},
+                                 {"matmul_peak": 1.5e10, "read_bandwidth": 1e10, "integer_peak": 0.8e11}]
     assert [r["batch"] for r in report["decode"]] == [1, 3, 5]
     for row in report["decode"]:
         b = row["batch"]
         assert row["weight_bytes"] == 4 * (layer_weights + head)
-        assert row["matmul_flops"] == 2 * b * (layer_weights + head)
+        assert row["matmul_flops"] == 2 * b * (layer_weights + head) and row["integer_ops"] == 0   # float32
         # K and V of every context token read, and the new tokens' written
         assert row["kv_bytes"] == pytest.approx((row["mean_context"] * b + b) * kv_token_bytes)
         assert 20 <= row["mean_context"] <= 20 + 3 * (2 * 2 + 2)   # each size: 2 warm-ups, 2 + 2 steps
@@ -168,6 +170,26 @@ def test_roofline_rows_against_the_models_own_arrays(tiny_model_dir, tmp_path, m
     assert versions["cpu_gemm"] == "numba"
 
 
+def test_integer_products_are_set_against_the_integer_peak(tmp_path):
+    """gguf_a8's Q4_1 products multiply bytes (kernels/fast/quant_a8.py): their arithmetic is
+    counted apart and timed at the integer peak, the Q8_0 head's (float x) at the matmul peak;
+    the probe itself measures a positive rate."""
+    from minipaged.engine.llm_engine import LLMEngine
+    from minipaged.model.random_llama import write_tiny_llama
+
+    model_dir = write_tiny_llama(tmp_path / "g", seed=3, gguf=True, intermediate_size=128)
+    engine = LLMEngine(str(model_dir), device="cpu", swap_space=0, num_blocks=16, quantization="gguf_a8")
+    layer = engine.runner.model.layers[0]
+    layer_weights = sum(int(w.size) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    c = engine.model_config
+    cost = roofline.step_cost(engine, [1, 1, 1], [10, 20, 30], 3)
+    assert cost["integer_ops"] == 2 * 3 * c.num_hidden_layers * layer_weights < cost["matmul_flops"]
+    machine = {"matmul_peak": 1e10, "read_bandwidth": 1e9, "integer_peak": 4e10}
+    compute = (cost["flops"] - cost["integer_ops"]) / 1e10 + cost["integer_ops"] / 4e10
+    assert roofline.bound(cost, machine) == pytest.approx(max(cost["bytes"] / 1e9, compute))
+    assert roofline.integer_peak(repeats=1, reps=1000) > 1e9   # a core does billions of these a second
+
+
 def test_a_workloads_floor_counts_every_token_it_must_make(tiny_model_dir):
     """The floor of a whole workload, against a count from the model's own arrays: every prompt
     prefilled once (one row of logits), every later token one query over all before it; the
@@ -208,6 +230,7 @@ def test_bench_sets_the_run_and_the_peer_against_the_floor(tiny_model_dir, tmp_p
     peaks, bandwidths = iter([3e9, 2e9]), iter([1e9, 4e9])               # before, after
     monkeypatch.setattr(bench, "matmul_peak", lambda: next(peaks))
     monkeypatch.setattr(bench, "read_bandwidth", lambda: next(bandwidths))
+    monkeypatch.setattr(bench, "integer_peak", lambda: 5e9)
     monkeypatch.setattr(bench, "run_peer", lambda *a, **k: {"generation_tok_s": 2.0, "elapsed_s": 4.0})
     out = tmp_path / "t.json"
     args = build_parser().parse_args([
@@ -220,12 +243,12 @@ def test_bench_sets_the_run_and_the_peer_against_the_floor(tiny_model_dir, tmp_p
     engine = LLMEngine(str(tiny_model_dir), device="cpu", swap_space=0, num_blocks=64)
     requests = bench.make_requests("throughput", report["config"], engine.model_config.vocab_size, 0)
     want = roofline.workload_floor(engine, [len(r.prompt) for r in requests], 5,
-                                   {"matmul_peak": 3e9, "read_bandwidth": 4e9})
+                                   {"matmul_peak": 3e9, "read_bandwidth": 4e9, "integer_peak": 5e9})
     floor, result = report["floor"], report["result"]
     assert {k: floor[k] for k in want} == pytest.approx(want)
-    assert floor["machine"] == {"matmul_peak": 3e9, "read_bandwidth": 4e9,
-                                "probes": [{"matmul_peak": 3e9, "read_bandwidth": 1e9},
-                                           {"matmul_peak": 2e9, "read_bandwidth": 4e9}]}
+    assert floor["machine"] == {"matmul_peak": 3e9, "read_bandwidth": 4e9, "integer_peak": 5e9,
+                                "probes": [{"matmul_peak": 3e9, "read_bandwidth": 1e9, "integer_peak": 5e9},
+                                           {"matmul_peak": 2e9, "read_bandwidth": 4e9, "integer_peak": 5e9}]}
     assert result["floor_s"] == pytest.approx(want["floor_s"]) and result["floor_bound"] == want["bound"]
     assert result["of_floor"] == pytest.approx(want["floor_s"] / result["elapsed_s"])
     assert result["max_speedup_vs_hf"] == pytest.approx(15 / want["floor_s"] / 2.0)

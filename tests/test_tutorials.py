@@ -277,6 +277,8 @@ def test_t25_bytes_per_weight():
     assert out.count("1, 8 and 16 rows agree with x @ dequantize().T: True") == 3
     assert "gguf computes on the very weights the float32 directory holds: the same tokens, True" in out
     assert re.search(r"int8: +[\d.]+ MB held, +[\d.]+ ms a token", out)
+    assert re.search(r"gguf_a8 agrees with gguf on \d+ of 48 tokens", out)
+    assert out.count("equal to round_activations(x) @ dequantize().T: True") == 3
 
 
 def test_t17_demand_paging():

@@ -26,7 +26,8 @@ from minipaged.kernels.fast.panel_gemm import PANEL
 from minipaged.kernels.fast.simd import (LANES, vload_bf16, vload_f16, vload_f32b, vload_high4_unit, vload_i8,
                                         vload_low4_unit, vstore)
 from minipaged.kernels.simple import SimpleOps
-from minipaged.kernels.weight_formats import QUANTIZED_FORMATS, QuantizedWeight, concat_rows, quantize
+from minipaged.kernels.weight_formats import (QUANTIZED_FORMATS, ROUNDS_ACTIVATIONS, QuantizedWeight, concat_rows,
+                                              quantize, round_activations)
 from minipaged.model.config import LlamaConfig
 from minipaged.model.errors import ModelFormatError
 from minipaged.model.gguf_convert import read_gguf_weights
@@ -89,7 +90,8 @@ def test_slices_and_stacks_of_a_quantized_weight(fmt):
     np.testing.assert_array_equal(q[:, 32:96].dequantize(), full[:, 32:96])
     np.testing.assert_array_equal(q.rows(np.array([9, 0, 9])), full[[9, 0, 9]])
     np.testing.assert_array_equal(concat_rows([q[:3], q[3:]]).dequantize(), full)
-    if fmt in ("q4_1", "q8_0"):
+    assert q[2:7].fmt == q[:, 32:96].fmt == concat_rows([q[:3], q[3:]]).fmt == fmt   # a shard keeps its format
+    if fmt in ("q4_1", "q8_0", "q4_1_a8"):
         with pytest.raises(ValueError, match="multiples of 32"):
             q[:, 8:40]
 
@@ -135,14 +137,16 @@ def test_quantized_panels_multiply_as_the_spec(fmt, shape):
     """Every row count a decode step has (1, 2, and 3-8 padded to 4 or 8: the codes multiplied in
     registers, one, two or four rows at a time; tiles of 4, 8 and AVX2's 6 over runs of k widened on the
     stack: 12, 16, 28 = 8 + 8 + 8 + 4), out padded to whole panels, runs of k over K_RUN (320 =
-    128 + 128 + 64): x @ w.dequantize().T within float32 rounding."""
+    128 + 128 + 64): x @ w.dequantize().T within float32 rounding (x rounded first for q4_1_a8:
+    its spec, ``round_activations``)."""
     rng = np.random.default_rng(4)
     q = quantize(_weight(rng, *shape), fmt)
     panels = pack(q)
     assert panels.nbytes == -(-shape[0] // PANEL) * PANEL * (q.nbytes // shape[0])   # out padded to whole panels
     for rows in (1, 2, 3, 4, 6, 8, 9, 12, 16, 28):
         x = rng.standard_normal((rows, shape[1])).astype(np.float32)
-        expected = x.astype(np.float64) @ q.dequantize().T.astype(np.float64)     # (rows, out)
+        read = round_activations(x) if fmt in ROUNDS_ACTIVATIONS else x           # (rows, in)
+        expected = read.astype(np.float64) @ q.dequantize().T.astype(np.float64)  # (rows, out)
         got = quant_panel_linear(x, panels, 2)
         np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
     # the panels are the fast tier's only copy: they give the weight back whole, and a prefill's
@@ -152,7 +156,7 @@ def test_quantized_panels_multiply_as_the_spec(fmt, shape):
     assert (back.scales is None) == (q.scales is None) and (q.scales is None or (back.scales == q.scales).all())
     tuning = FastTuning()
     x = rng.standard_normal((tuning.panel_max_rows + 3, shape[1])).astype(np.float32)
-    np.testing.assert_allclose(quantized_linear(x, panels, tuning), x @ q.dequantize().T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(quantized_linear(x, panels, tuning), q.product(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
@@ -216,7 +220,8 @@ def test_a_gguf_file_is_read_as_its_own_blocks(gguf_model_dir):
                                       else blocks[name], t, err_msg=name)
 
 
-@pytest.mark.parametrize("kwargs", [dict(dtype="bfloat16"), dict(quantization="int8"), dict(quantization="gguf")])
+@pytest.mark.parametrize("kwargs", [dict(dtype="bfloat16"), dict(quantization="int8"), dict(quantization="gguf"),
+                                    dict(quantization="gguf_a8")])
 def test_every_format_gives_the_same_tokens_on_both_tiers_and_in_shards(gguf_model_dir, kwargs):
     """The engine with each format: the plain and the fast tier agree token for token, and so do
     two tensor-parallel ranks and two pipeline stages, whose shards carry the format. Nine

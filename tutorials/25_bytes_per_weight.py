@@ -9,13 +9,16 @@ the bytes from the checkpoint to the kernel and the clock:
 - bfloat16 (``dtype="bfloat16"``), 2 bytes: the top half of each float32;
 - int8 (``quantization="int8"``), 1 byte and a scale per output row;
 - the GGUF's own blocks (``quantization="gguf"``): Q4_1, 0.625 bytes a weight (d, m and 32
-  four-bit codes per block of 32), and Q8_0 for the embedding, as llama.cpp reads them.
+  four-bit codes per block of 32), and Q8_0 for the embedding, as llama.cpp reads them;
+- the same blocks with x rounded to int8 for the Q4_1 products (``quantization="gguf_a8"``),
+  as llama.cpp multiplies them: the same bytes, fewer instructions a weight.
 
 Step 1 counts the bytes a decode step must read in each. Step 2 takes one weight apart: a
 Q4_1 block, its d, m and codes, and the error each format leaves. Step 3 checks the fast tier's
 quantized panels against the spec (``QuantizedWeight.dequantize()``, then a plain product).
 Step 4 turns bytes into a ceiling with this machine's read bandwidth. Step 5 runs the real
 engine in each format: the time a token, against that ceiling, and the tokens themselves.
+Step 6 rounds x to int8 as ``gguf_a8`` does and times the two kinds of Q4_1 product side by side.
 
 The OS analogy: compressed memory (zram, squashfs). Pages kept in fewer bytes and expanded by
 the CPU as they are read, because reading the small form and expanding it beats reading the
@@ -42,6 +45,9 @@ Exercises (also printed at the end):
      of a B=1 step is spent on?
   3. python -m minipaged bench quality --weight-formats float32,bfloat16,int8,gguf
      --kv-cache-dtypes auto,int8: do a compressed KV cache and compressed weights add up?
+  4. Run exercise 2's roofline with --quantization gguf_a8 and --batch-sizes 1,2,4,8. Which
+     batch sizes gain from the integer products, and why not B=1? (Step 6's times, and the
+     bytes a step reads.) Then bench quality --weight-formats gguf,gguf_a8: what did it cost?
 """
 
 import os
@@ -53,7 +59,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from minipaged import LLM, SamplingParams
 from minipaged.kernels.fast.quant_panels import pack, quant_panel_linear
-from minipaged.kernels.weight_formats import BYTES_PER_WEIGHT, quantize
+from minipaged.kernels.weight_formats import BYTES_PER_WEIGHT, quantize, round_activations
 from minipaged.model.config import LlamaConfig
 from minipaged.model.fetch import resolve_model
 from minipaged.model.weights import load_checkpoint
@@ -61,7 +67,8 @@ from minipaged.tools.roofline import read_bandwidth
 
 MODEL = os.environ.get("MINIPAGED_TUTORIAL_MODEL", "smollm2-135m-instruct")
 FORMATS = {"float32": dict(cpu_gemm="numba"), "bfloat16": dict(dtype="bfloat16"),
-           "int8": dict(quantization="int8"), "gguf": dict(quantization="gguf")}
+           "int8": dict(quantization="int8"), "gguf": dict(quantization="gguf"),
+           "gguf_a8": dict(quantization="gguf_a8")}
 
 model_dir = resolve_model(MODEL)
 config = LlamaConfig.from_dir(model_dir)
@@ -81,6 +88,7 @@ step_bytes = {"float32": 4 * weights, "bfloat16": 2 * weights, "int8": weights +
 for fmt, nbytes in step_bytes.items():
     print(f"  {fmt:>8}: {nbytes / 1e6:7.1f} MB a step  ({nbytes / weights:.3f} bytes a weight)")
 assert step_bytes["float32"] == 4 * weights and step_bytes["bfloat16"] * 2 == step_bytes["float32"]
+step_bytes["gguf_a8"] = gguf_bytes                         # the very same blocks: only x is rounded
 
 print("\nStep 2: one weight taken apart (layer 0's gate_proj, (ffn, hidden))")
 w = np.ascontiguousarray(tensors["model.layers.0.mlp.gate_proj.weight"])      # (ffn, hidden) float32
@@ -124,8 +132,8 @@ params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 tokens = {}
 has_gguf = any(model_dir.glob("*.gguf")) or MODEL == "smollm2-135m-instruct"
 for fmt, kwargs in FORMATS.items():
-    if fmt == "gguf" and not has_gguf:
-        print("  gguf: no *.gguf file in this model's directory; skipped")
+    if fmt.startswith("gguf") and not has_gguf:
+        print(f"  {fmt}: no *.gguf file in this model's directory; skipped")
         continue
     llm = LLM(MODEL, device="cpu", num_blocks=64, max_model_len=256, **kwargs)
     engine = llm.llm_engine
@@ -151,6 +159,35 @@ print(f"  int8 agrees with float32 on {agree} of 48 tokens; bfloat16 on "
       f"{sum(a == b for a, b in zip(tokens['bfloat16'], tokens['float32']))}")
 print("  (the step's other work, attention, norms and the kernel's phases, is the same in every format:\n"
       "   the fewer the bytes, the larger its share; docs/weights.md)")
+if "gguf_a8" in tokens:
+    print(f"  gguf_a8 agrees with gguf on {sum(a == b for a, b in zip(tokens['gguf_a8'], tokens['gguf']))} of 48 "
+          "tokens (x rounded: the logits move a little, and a greedy path can part)")
 
-print("\nDone: fewer bytes a weight, a higher ceiling; widened in registers, the same float32 arithmetic.")
+print("\nStep 6: x rounded to int8 a block of 32 (gguf_a8), and the integer products")
+x = rng.standard_normal((8, w.shape[1])).astype(np.float32)                   # (8, hidden)
+block = x[0, :32]
+d = np.abs(block).max() / np.float32(127)                                       # the block's scale
+show = lambda v: "[" + ", ".join(f"{float(e):.4f}" for e in v) + "]"                # noqa: E731
+print(f"  x[0, :4] = {show(block[:4])}, d = max|x| / 127 = {d:.5f}, codes "
+      f"{np.rint(block[:4] / d).astype(int).tolist()}, read back {show(round_activations(x)[0, :4])}")
+a8 = quantize(w, "q4_1_a8")                                                    # q4_1's very bytes
+plain, integer = pack(quantize(w, "q4_1")), pack(a8)
+for rows in (1, 2, 8):
+    xr = x[:rows]
+    assert np.allclose(quant_panel_linear(xr, integer, 1), a8.product(xr), rtol=1e-4,
+                       atol=1e-4 * np.abs(a8.product(xr)).max())             # the spec: round, then widen
+    times = {}
+    for name, panels in (("float x", plain), ("int8 x", integer)) * 3:       # alternated, one thread
+        start = time.perf_counter()
+        for _ in range(50):
+            quant_panel_linear(xr, panels, 1)
+        times.setdefault(name, []).append((time.perf_counter() - start) / 50)
+    f, i = (1e6 * min(times[n]) for n in ("float x", "int8 x"))
+    print(f"  {rows} row(s): q4_1 times float x {f:6.1f} us, times int8 x {i:6.1f} us ({f / i:.1f}x); "
+          "equal to round_activations(x) @ dequantize().T: True")
+print("  (one instruction multiplies 4 codes by 4 bytes of x and adds them, LANES lanes at once:\n"
+      "   kernels/fast/quant_a8.py; a single row is bound by the memory either way on most hosts)")
+
+print("\nDone: fewer bytes a weight, a higher ceiling; widened in registers, the same float32 arithmetic\n"
+      "(or, with gguf_a8, x rounded to int8 and integer products, as llama.cpp computes them).")
 print("\nExercises:\n" + __doc__.split("Exercises (also printed at the end):\n")[1])

@@ -64,7 +64,7 @@ class FastLinear:
 
     @property
     def dtype(self):
-        """float32: what its products compute in, whatever bytes the weight is stored in."""
+        """float32: what its products give (and, but for "q4_1_a8"'s integer products, compute in)."""
         return np.dtype(np.float32)
 
     @property

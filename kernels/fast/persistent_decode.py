@@ -1,57 +1,54 @@
 """Persistent decode: a decode step through every layer in one parallel region.
 
-The analogy is a busy-polling driver (Linux's NAPI, DPDK's poll-mode drivers): at high rates
-an interrupt per packet costs more than the packet, so the driver keeps its cores and polls
-for work. A decode step is ~120 matrix products and ~200 small kernels, each a parallel region
-of its own when run one by one (``ops.py``, layer by layer): each wakes the thread pool, splits its
-work evenly and joins, and between two regions the memory bus idles while Python calls the
-next. One sequence's step reads every weight once (538 MB for SmolLM2), so it is bound by
-memory, and an idle bus is time lost for good; a larger batch's small kernels and region
-starts add up too.
+The analogy is a busy-polling driver (Linux's NAPI, DPDK's poll-mode drivers): at high rates an
+interrupt per packet costs more than the packet, so the driver keeps its cores and polls for work.
+A decode step is ~120 matrix products and ~200 small kernels, each a parallel region of its own
+when run one by one (``ops.py``, layer by layer): each wakes the thread pool, splits its work
+evenly and joins, and between two regions the memory bus idles while Python calls the next. One
+sequence's step reads every weight once (538 MB for SmolLM2), so it is bound by memory, and an idle
+bus is time lost for good; a larger batch's small kernels and region starts add up too.
 
-Here the threads enter one region for all the layers (and the LM head, where this worker
-holds it) and leave at the end. The step is a fixed list of **phases**: each product (qkv, o,
-gate/up, down, the head) is a phase of tasks, a run of its weight's panels each (about
-``layer_stack.TASK_BYTES``); the work between products (norms, rotary, the KV write, SiLU, the residual adds)
-is a phase of one task a token (merging split attention, of one task); attention is a phase
-of the plan's work items. A thread
-**claims** a phase's next task by adding one to a counter (``kernels/atomics.py``), runs it,
-and counts it done in the phase's done counter; when no task is left it **polls** the done
-counter until the phase is complete, then goes on to the next phase. While it polls it asks
-for the lines of the next weight it will multiply (``prefetch``, up to AHEAD_BYTES of it), so
-the bus keeps streaming weights while the other thread runs attention or a norm.
+Here the threads enter one region for all the layers (and the LM head, where this worker holds it)
+and leave at the end. The step is a fixed list of **phases**: each product (qkv, o, gate/up, down,
+the head) is a phase of tasks, a run of its weight's panels each (about
+``layer_stack.TASK_BYTES``); the work between products (norms, rotary, the KV write, SiLU, the
+residual adds) is a phase of one task a token (merging split attention, of one task); attention is
+a phase of the plan's work items. A thread **claims** a phase's next task by adding one to a
+counter (``kernels/atomics.py``), runs it, and counts it done in the phase's done counter; when no
+task is left it **polls** the done counter until the phase is complete, then goes on to the next
+phase. While it polls it asks for the lines of the next weight it will multiply (``prefetch``, up
+to AHEAD_BYTES of it), so the bus keeps streaming weights while the other thread runs attention or
+a norm.
 
-A phase's tasks are cut into one contiguous **range** per iteration of the region, each with
-its own counter (``_claim``): a thread takes its own range's tasks first, front to back, and
-then the others' (**work stealing**, as per-CPU run queues are balanced). So each thread
-reads its share of a weight as one stream, as a static split would, which the panels' read-
-ahead relies on: from one shared counter, the two threads' tasks interleaved, and a whole
-step's products at 8 rows took 22.6 ms against 19.5 layer by layer (docs/benchmarks.md).
+A phase's tasks are cut into one contiguous **range** per iteration of the region, each with its
+own counter (``_claim``): a thread takes its own range's tasks first, front to back, and then the
+others' (**work stealing**, as per-CPU run queues are balanced). So each thread reads its share of
+a weight as one stream, as a static split would, which the panels' read- ahead relies on: from one
+shared counter, the two threads' tasks interleaved, and a whole step's products at 8 rows took 22.6
+ms against 19.5 layer by layer (docs/benchmarks.md).
 
-No thread waits for another to start: a task, once claimed, is run by the thread that
-claimed it without waiting for anything (nor raising: every kernel it calls is compiled with
-NumPy's error model and ``guarded``, so that a task that fails, an allocation say, marks the
-step failed, every thread leaves the region at once and ``run`` raises; non-finite hidden
-states are reported after the region), so the
-step completes whether the region's iterations run on many threads at once or one after
-another on a single one (a threading layer may do either). And the threads take tasks as
+No thread waits for another to start: a task, once claimed, is run by the thread that claimed it
+without waiting for anything (nor raising: every kernel it calls is compiled with NumPy's error
+model and ``guarded``, so that a task that fails, an allocation say, marks the step failed, every
+thread leaves the region at once and ``run`` raises; non-finite hidden states are reported after
+the region), so the step completes whether the region's iterations run on many threads at once or
+one after another on a single one (a threading layer may do either). And the threads take tasks as
 they free up: a core that the host lends elsewhere for a while leaves its share to the other.
 
 Each task calls the very kernels the layer-by-layer path calls, in the same order on the same
-values, so the step's logits are the same floats (``tests/test_persistent_decode.py``): the
-panels' own loops ``panel_gemm.panel_rows`` (on views that count no references,
-``kernels/borrowed.py``: counted, the loops of 8 rows and more ran 4x slower here), and the
-kernels ``ops.py`` binds this one to (``compile_kernel``): the serial compilations
-(``two_ways(...).serial``) of its norms, rotary, KV write and SiLU, each over one token's row,
-and its register attention kernel over one work item. The layer-by-layer forward of
-``model/llama.py`` is this kernel's spec.
+values, so the step's logits are the same floats (``tests/test_persistent_decode.py``): the panels'
+own loops ``panel_gemm.panel_rows`` (on views that count no references, ``kernels/borrowed.py``:
+counted, the loops of 8 rows and more ran 4x slower here), and the kernels ``ops.py`` binds this
+one to (``compile_kernel``): the serial compilations (``two_ways(...).serial``) of its norms,
+rotary, KV write and SiLU, each over one token's row, and its register attention kernel over one
+work item. The layer-by-layer forward of ``model/llama.py`` is this kernel's spec.
 
-It runs where all of that holds (``usable``, and ``ops.decode_layers``): as many new tokens as
-the layer-by-layer path multiplies on the panels (``FastTuning.panel_max_rows``: decodes of up to 128
+It runs where all of that holds (``usable``, and ``ops.decode_layers``): as many new tokens as the
+layer-by-layer path multiplies on the panels (``FastTuning.panel_max_rows``: decodes of up to 128
 sequences, or short prompt chunks beside them), every one read by the paged attention kernel,
-float32 weights with their panels, a float32 KV cache the register attention kernel reads, no
-block-sparse attention, no tensor-parallel split. Rows are padded with zero rows to a multiple
-of 4 as the products pad them (``panel_gemm.padded_rows``); the padding rows stay zero.
+weights with their panels (float32 or quantized), a float32 KV cache the register attention kernel
+reads, no block-sparse attention, no tensor-parallel split. Rows are padded with zero rows to a
+multiple of 4 as the products pad them (``panel_gemm.padded_rows``); the padding rows stay zero.
 """
 
 from __future__ import annotations
@@ -67,6 +64,7 @@ from .compile import guarded
 from ..kv_quant import KV_FLOAT
 from .layer_stack import LayerStack
 from .panel_gemm import PANEL, padded_rows
+from .quant_a8 import Q4_1_A8, bounce, rounded_size
 from .quant_panels import any_panel_rows
 from .simd import LANES, SIMD_CACHE, prefetch
 
@@ -137,15 +135,15 @@ def _wait(ctr, phase, tasks, ahead, cursor, limit):
 
 
 @njit(fastmath=True, cache=CACHE, error_model="numpy")
-def _product(ctr, phase, x, w, fmt, k_dim, panels, per_task, out, rows, it):
-    """Claim and run a product phase's tasks, iteration ``it`` of the region: x (rows * k_dim,)
-    times per_task panels of w each, into out (rows * panels * PANEL,), through the panels' own
-    loops (``panel_rows``; a quantized weight's, flat uint8 in format ``fmt``: ``quant_rows``).
-    Returns the phase's task count. A function of its own, not inlined:
-    the kernel calls it for five weights, and five copies of the panels' loops took minutes to
-    compile. A task's first panel asks for its own lines ahead (``panel_rows``' ``first``)
-    unless this thread has just run the task before it, whose passes asked for them."""
+def _product(ctr, phase, x, w, fmt, k_dim, panels, per_task, out, rows, it, blob):
+    """Claim and run a product phase's tasks, iteration ``it`` of the region: x (rows * k_dim,) times
+    per_task panels of w each, into out (rows * panels * PANEL,), through the panels' own loops
+    (``panel_rows``; a quantized weight's, flat uint8 in format ``fmt``: ``quant_rows``). Returns
+    the phase's task count. Not inlined: five copies of the panels' loops (five weights) took
+    minutes to compile. A task's first panel asks for its own lines ahead (``first``) unless this
+    thread has just run the task before it, whose passes asked for them."""
     tasks = -(-panels // per_task)
+    x = bounce(x, fmt, k_dim, rows, blob)      # "q4_1_a8": x rounded into the iteration's blob, once
     xs, ws, outs = borrowed(x), borrowed(w), borrowed(out)   # no reference counts in the loops
     task, r = _claim(ctr, phase, tasks, it)
     last = -2
@@ -175,7 +173,7 @@ def _add_row(hidden, out, width, t):
 
 def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_out, gu, gu_flat,
                         g, g_flat, d_out, input_norms, post_norms, qkv_w, o_w, gate_up_w, down_w,
-                        widths, per_task, fmts, eps, positions, slot_mapping, kv_cache, cos, sin,
+                        widths, per_task, fmts, blobs, eps, positions, slot_mapping, kv_cache, cos, sin,
                         block_tables, seq_lens, query_start_loc, items, merges, scale, part_acc,
                         part_max, part_sum, strides, no_bounds, no_scales, final_norm, head_w,
                         logits, with_head, ctr, num_threads):
@@ -192,7 +190,7 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
     step's failure mark (``_fail``); iteration ``it`` of the region starts each phase in its own range.
     A product's weights are (L, n) arrays, a layer's flat panels a row: float32 panels, or
     quantized ones (uint8) in format fmts[i]. (Arrays, not tuples of L: the compiled code does
-    not depend on the number of layers.)"""
+    not depend on the number of layers.) blobs (iterations, n): iteration it's "q4_1_a8" x."""
     num_layers = input_norms.shape[0]
     q_size, kv_size = q.shape[1] * q.shape[2], k.shape[1] * k.shape[2]
     tokens, rows = q.shape[0], x.shape[0]
@@ -214,7 +212,7 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
             k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
             # 0. q, k, v = x @ qkv.T
             tasks = _product(ctr, base, x_flat, qkv_w[layer], fmts[0], hidden_size, widths[0] // PANEL, per_task[0],
-                             qkv_out, rows, it)
+                             qkv_out, rows, it, blobs[it])
             cursor = _wait(ctr, base, tasks, o_w[layer], 0, _limit(o_w[layer]))
             # 1. rotary on q and k, then k and v into the cache, a token a task
             t, r = _claim(ctr, base + 1, tokens, it)
@@ -255,7 +253,7 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
                 cursor = _wait(ctr, base + 3, 1, o_w[layer], cursor, _limit(o_w[layer]))
             # 4. out = attn @ o.T
             tasks = _product(ctr, base + 4, attn_flat, o_w[layer], fmts[1], q_size, widths[1] // PANEL, per_task[1],
-                             o_out, rows, it)
+                             o_out, rows, it, blobs[it])
             cursor = _wait(ctr, base + 4, tasks, gate_up_w[layer], 0, _limit(gate_up_w[layer]))
             # 5. hidden += out; x = rms_norm(hidden), a token a task
             t, r = _claim(ctr, base + 5, tokens, it)
@@ -268,7 +266,7 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
             cursor = _wait(ctr, base + 5, tokens, gate_up_w[layer], cursor, _limit(gate_up_w[layer]))
             # 6. gate | up = x @ gate_up.T
             tasks = _product(ctr, base + 6, x_flat, gate_up_w[layer], fmts[2], hidden_size, widths[2] // PANEL,
-                             per_task[2], gu_flat, rows, it)
+                             per_task[2], gu_flat, rows, it, blobs[it])
             cursor = _wait(ctr, base + 6, tasks, down_w[layer], 0, _limit(down_w[layer]))
             # 7. g = silu(gate) * up, a token a task
             t, r = _claim(ctr, base + 7, tokens, it)
@@ -280,7 +278,7 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
             cursor = _wait(ctr, base + 7, tokens, down_w[layer], cursor, _limit(down_w[layer]))
             # 8. out = g @ down.T
             tasks = _product(ctr, base + 8, g_flat, down_w[layer], fmts[3], ffn, widths[3] // PANEL, per_task[3], d_out,
-                             rows, it)
+                             rows, it, blobs[it])
             last = layer + 1 == num_layers
             # the next weight: the next layer's qkv, or the LM head (or none); two calls, not one
             # variable: a quantized layer's panels and a float32 head are arrays of two types
@@ -309,7 +307,7 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
         if with_head:
             phase = 1 + PHASES_PER_LAYER * num_layers
             tasks = _product(ctr, phase, x_flat, head_w, fmts[4], hidden_size, widths[4] // PANEL, per_task[4], logits,
-                             rows, it)
+                             rows, it, blobs[it])
             _wait(ctr, phase, tasks, head_w, 0, 0)
 
 
@@ -379,10 +377,12 @@ def run(kernel, stack_: LayerStack, hidden: np.ndarray, positions: np.ndarray, k
     strides = np.array([st // 4 for st in kv_cache.strides[2:5]], np.int64)  # block, head, token
     logits = np.empty(rows * int(widths[4]) if with_head else 0, np.float32)  # (R x padded vocab,)
     iterations = max(1, num_threads)
+    rounded = max(hidden_size, num_heads * head_dim, stack_.ffn) if Q4_1_A8 in stack_.formats else 0
+    blobs = np.empty((iterations, rounded_size(rows, rounded)), np.float32)   # an iteration's x in int8
     ctr = np.zeros((3 + PHASES_PER_LAYER * num_layers, (iterations + 1) * LINE), np.int64)  # done / claimed; failed
     kernel(padded, x, x.reshape(-1), qkv_out, q, k, v, attn, attn.reshape(-1), o_out, gu, gu.reshape(-1),
            g, g.reshape(-1), d_out, stack_.input_norms, stack_.post_norms, stack_.qkv, stack_.o,
-           stack_.gate_up, stack_.down, widths, stack_.per_task, stack_.formats, np.float32(eps),
+           stack_.gate_up, stack_.down, widths, stack_.per_task, stack_.formats, blobs, np.float32(eps),
            np.ascontiguousarray(positions, dtype=np.int64),
            np.ascontiguousarray(meta.slot_mapping, dtype=np.int64), kv_cache, cos, sin,
            meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.items, plan.merges,

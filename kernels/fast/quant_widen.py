@@ -43,7 +43,7 @@ def panel_size(fmt, k_dim):
         return 2 * PANEL * k_dim
     if fmt == INT8:
         return PANEL * k_dim + 4 * PANEL
-    return k_dim // GGUF_BLOCK * (20 if fmt == Q4_1 else 34) * PANEL
+    return k_dim // GGUF_BLOCK * (34 if fmt == Q8_0 else 20) * PANEL     # Q4_1, and quant_a8's Q4_1_A8
 
 
 @njit(fastmath=True, inline="always", cache=CACHE)
@@ -187,7 +187,10 @@ def widened_rows(x, w, fmt, k_dim, rows, out, n_dim, p, scratch):
 def widen_transposed(w) -> np.ndarray:
     """A quantized weight's panels (a ``quant_panels.QuantPanelWeight``) widened to float32 and
     transposed, (in, out): what a prefill's BLAS multiplies (``x @ widen_transposed(w)``), made
-    in parallel, each panel's columns at once."""
+    in parallel, each panel's columns at once. ("q4_1_a8"'s panels are laid out for the integer
+    products, which every one of its products runs: ``quant_a8.py``.)"""
+    if w.code not in (BF16, INT8, Q4_1, Q8_0):
+        raise ValueError(f"widen_transposed widens bfloat16, int8, q4_1 and q8_0 panels, not {w.fmt!r}")
     n_dim = w.panels * PANEL
     wide = np.empty((w.in_features, n_dim), np.float32)                      # (in, panels * PANEL)
     _widen_all(w.data, w.code, w.in_features, w.panels, wide.reshape(-1))

@@ -35,7 +35,7 @@ class Backend:
     # cpu_gemm="auto" with oneMKL installed has yet to measure them (engine/linear_calibration.py)
     linear_paths: LinearPaths | None = LinearPaths()
     # how the linear weights are stored (kernels/weight_formats.py): "float32", "bfloat16", "int8",
-    # or "gguf" (a GGUF file's own blocks, Q4_1 and Q8_0); every format computes in float32
+    # "gguf" (a GGUF file's own blocks, Q4_1 and Q8_0) or "gguf_a8" (those, x rounded to int8 for Q4_1)
     weight_format: str = "float32"
 
     @property
@@ -127,17 +127,17 @@ def gpu_dtype(dtype: str, checkpoint_dtype: str = "float32", has_bfloat16=cupy_h
 
 def cpu_weight_format(dtype: str, quantization: str | None) -> str:
     """How the CPU stores the linear weights: ``--dtype bfloat16`` stores them in bfloat16,
-    ``--quantization int8`` / ``gguf`` in int8 or in a GGUF file's own blocks; activations and
-    sums stay float32 in every case (``kernels/weight_formats.py``)."""
+    ``--quantization int8`` / ``gguf`` / ``gguf_a8`` in int8 or in a GGUF file's own blocks;
+    activations and sums stay float32 (but gguf_a8's, ``kernels/weight_formats.py``)."""
     if quantization is not None:
         if dtype not in ("auto", "float32"):
             raise ValueError(f"dtype={dtype!r} and quantization={quantization!r} both choose how the weights are "
-                             "stored; give one of them (the activations are float32 either way)")
+                             "stored; give one of them")
         return quantization
     if dtype == "float16":
         raise ValueError("dtype='float16' is not supported on the CPU: the CPU computes in float32 and stores the "
-                         "weights in float32, bfloat16 (dtype='bfloat16') or fewer bytes (quantization='int8' "
-                         "or 'gguf')")
+                         "weights in float32, bfloat16 (dtype='bfloat16') or fewer bytes (quantization='int8', "
+                         "'gguf' or 'gguf_a8')")
     return "bfloat16" if dtype == "bfloat16" else "float32"
 
 
@@ -153,7 +153,7 @@ def select_backend(device: str, dtype: str, cpu_gemm: str = "auto", linear_paths
     (``engine/linear_calibration.py``). On a GPU, ``dtype`` and the checkpoint's
     ``checkpoint_dtype`` (config.json's ``torch_dtype``) choose float32, float16 or bfloat16
     (``gpu_dtype``); the CPU computes in float32, its weights stored as ``cpu_weight_format``
-    says (``dtype`` bfloat16, or ``quantization`` "int8" / "gguf": the CPU's only)."""
+    says (``dtype`` bfloat16, or ``quantization`` "int8" / "gguf" / "gguf_a8": the CPU's only)."""
     if device in ("cuda", "auto") and cuda_available():
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r} runs on the CPU only: the CUDA kernels multiply float16, "

@@ -38,9 +38,10 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
                    help="weight and KV cache dtype ('auto': float32 on the CPU; on a GPU bfloat16 for a bf16 "
                         "checkpoint, else float16); on the CPU bfloat16 stores the weights in half the bytes, "
                         "computing in float32")
-    g.add_argument("--quantization", default=None, choices=["int8", "gguf"],
+    g.add_argument("--quantization", default=None, choices=["int8", "gguf", "gguf_a8"],
                    help="CPU weights in fewer bytes: int8 (a scale per output row), or gguf (the model's GGUF "
-                        "file's own Q4_1 / Q8_0 blocks); activations stay float32 (docs/weights.md)")
+                        "file's own Q4_1 / Q8_0 blocks); activations stay float32, but gguf_a8's Q4_1 products "
+                        "read x rounded to int8 a block of 32, as llama.cpp's do (docs/weights.md)")
     g.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV block (a power of two); the page size of the KV cache")
     g.add_argument("--num-blocks", type=int, default=None,

@@ -7,8 +7,10 @@
     bench_peers.py  the Hugging Face transformers peer, in a child process
     bench_serve.py  ``bench serve``: streaming HTTP clients with Poisson arrivals against the server
     soak.py         the server under a bounded soak with faults: outcomes, latency percentiles, RSS, blocks held
-    roofline.py     ``bench roofline``: the machine's matmul peak and read bandwidth, and each decode
-                    and prefill step against its bound, with where the time goes
+    bounds.py       the machine's limits (matmul peak, integer peak, read bandwidth) and a step's
+                    bytes and FLOPs: its bound, and a workload's floor
+    roofline.py     ``bench roofline``: each decode and prefill step timed against its bound
+                    (``bounds.py``), with where the time goes
     quality.py      ``bench quality``: perplexity and golden agreement for each kv_cache_dtype
     sparse_quality.py  ``bench sparse``: passkey retrieval, greedy agreement and teacher-forced
                     log-likelihood under block-sparse decode budgets, against dense

@@ -29,7 +29,7 @@ from .bench_serve import bench_serve
 from .measure import run_workload, steps_by_path
 from .report import memory_figures, plot_memory, print_result, print_roofline, print_table
 from .quality import check_quality_args, print_quality, run_quality
-from .roofline import check_roofline_args, matmul_peak, read_bandwidth, run_roofline, workload_floor
+from .roofline import check_roofline_args, integer_peak, matmul_peak, read_bandwidth, run_roofline, workload_floor
 from .sparse_quality import check_sparse_args, print_sparse, run_sparse
 from .parallel_bench import print_parallel_bench, run_parallel_bench
 from .spec_bench import print_spec_bench, run_spec_bench
@@ -78,7 +78,7 @@ def add_bench_parser(sub, add_engine_flags) -> None:
     p.add_argument("--kv-cache-dtypes", default=None, metavar="D,D,...",
                    help="quality: the kv_cache_dtype of each engine compared (default auto,int8,fp8,fp8_e5m2)")
     p.add_argument("--weight-formats", default=None, metavar="F,F,...",
-                   help="quality: how each engine stores its weights: float32, bfloat16, int8, gguf "
+                   help="quality: how each engine stores its weights: float32, bfloat16, int8, gguf, gguf_a8 "
                         "(default float32; docs/weights.md)")
     p.add_argument("--num-tokens", type=int, default=None, help="quality: tokens of text scored")
     p.add_argument("--window", type=int, default=None, help="quality: tokens per perplexity window")
@@ -176,8 +176,8 @@ def library_versions(cpu_gemm: str = "auto", kernels: str | None = None) -> dict
 
 
 def probe_machine() -> dict:
-    """This CPU's matmul peak and read bandwidth, now (``bench roofline``'s probes)."""
-    return {"matmul_peak": matmul_peak(), "read_bandwidth": read_bandwidth()}
+    """This CPU's matmul peak, read bandwidth and integer peak, now (``bench roofline``'s probes)."""
+    return {"matmul_peak": matmul_peak(), "read_bandwidth": read_bandwidth(), "integer_peak": integer_peak()}
 
 
 def floor_applies(engine: LLMEngine) -> bool:

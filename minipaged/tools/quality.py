@@ -2,7 +2,7 @@
 cost in quality.
 
 For each ``kv_cache_dtype`` asked for (default auto, int8, fp8, fp8_e5m2) and each weight format
-(``--weight-formats``, default float32; bfloat16, int8 and gguf: docs/weights.md), one engine:
+(``--weight-formats``, default float32; bfloat16, int8, gguf and gguf_a8: docs/weights.md), one engine:
 
 - **Perplexity** over real English text that ships with Python: the reference documentation
   of ``pydoc_data.topics`` (the text ``help()`` shows), topics in sorted order, the first
@@ -42,7 +42,8 @@ def reference_text() -> str:
 
 # a weight format of --weight-formats -> the engine settings that store the weights so
 WEIGHT_FORMAT_SETTINGS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
-                          "int8": dict(quantization="int8"), "gguf": dict(quantization="gguf")}
+                          "int8": dict(quantization="int8"), "gguf": dict(quantization="gguf"),
+                          "gguf_a8": dict(quantization="gguf_a8")}
 
 
 def check_weight_formats(cfg: dict) -> list[str]:

@@ -76,7 +76,8 @@ def print_roofline(report: dict) -> None:
     """``bench roofline``: the machine's limits, then one row per decode batch and prefill."""
     m = report["machine"]
     print(f"\nroofline: matmul peak {m['matmul_peak'] / 1e9:.1f} GFLOP/s, read bandwidth "
-          f"{m['read_bandwidth'] / 1e9:.1f} GB/s, last-level cache {m['last_level_cache_bytes'] >> 20} MiB")
+          f"{m['read_bandwidth'] / 1e9:.1f} GB/s, last-level cache {m['last_level_cache_bytes'] >> 20} MiB"
+          + (f", integer peak {m['integer_peak'] / 1e9:.0f} GOP/s (q4_1_a8's products)" if m.get("integer_peak") else ""))
     if m.get("probes"):
         print("  (the better of two probes, start and end: "
               + ", ".join(f"{p['matmul_peak'] / 1e9:.0f} / {p['read_bandwidth'] / 1e9:.1f}" for p in m["probes"])

@@ -1,7 +1,7 @@
 """``python -m minipaged bench roofline``: the machine's own limits, and every step against them.
 
-The analogy is the machine's data sheet beside a profiler: first measure what the
-hardware can do at all (a large square matrix product for the arithmetic peak, a
+The analogy is the machine's data sheet beside a profiler (``bounds.py``): first measure
+what the hardware can do at all (a large square matrix product for the arithmetic peak, a
 streaming sum over more memory than the last-level cache for the read bandwidth),
 then time real engine steps and set each one against its bound (the machine is probed
 again at the end, and the bounds use the better reading of each limit),
@@ -30,7 +30,6 @@ largest speed-up over a peer that any engine could show here.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 
@@ -38,153 +37,11 @@ import numpy as np
 
 from ..engine.llm_engine import LLMEngine
 from ..sampling_params import SamplingParams
+from .bounds import (_set_bounds, bound, compute_seconds, integer_params, integer_peak,  # noqa: F401
+                     last_level_cache_bytes, matmul_peak, read_bandwidth, serial_bound,
+                     step_cost, stored_weight_bytes, workload_floor)   # (re-exported: bench, tests)
 from .measure import steps_by_path
 from .workloads import make_prompts
-
-# --------------------------------------------------------------------------- the machine
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache, from sysfs (64 MiB when it cannot be read)."""
-    sizes = []
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    for entry in os.listdir(root) if os.path.isdir(root) else []:
-        try:
-            with open(os.path.join(root, entry, "size")) as f:
-                text = f.read().strip()
-            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-            sizes.append(int(text.rstrip("KMG")) * scale)
-        except (OSError, ValueError):
-            continue
-    return max(sizes, default=64 << 20)
-
-
-def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of a large square float32 product through numpy's BLAS (best of ``repeats``)."""
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n), dtype=np.float32)   # (n, n)
-    b = rng.standard_normal((n, n), dtype=np.float32)   # (n, n)
-    out = np.empty((n, n), dtype=np.float32)            # (n, n)
-    np.matmul(a, b, out=out)
-    best = min(_timed(lambda: np.matmul(a, b, out=out)) for _ in range(repeats))
-    return 2.0 * n ** 3 / best
-
-
-def read_bandwidth(nbytes: int | None = None, repeats: int = 3) -> float:
-    """Bytes/s of a streaming sum over ``nbytes`` (default: 4x the last-level cache, at least
-    1 GiB), on all the cores the kernels use (best of ``repeats``)."""
-    from ..kernels.fast.elementwise import stream_sum  # noqa: PLC0415  (Numba compiles on first use)
-
-    nbytes = nbytes or max(4 * last_level_cache_bytes(), 1 << 30)
-    data = np.ones(nbytes // 4, dtype=np.float32)       # (nbytes / 4,)
-    stream_sum(data)
-    best = min(_timed(lambda: stream_sum(data)) for _ in range(repeats))
-    return data.nbytes / best
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-# --------------------------------------------------------------------------- a step's cost
-
-
-def step_cost(engine: LLMEngine, query_lens: list[int], context_lens: list[int], num_logits: int) -> dict:
-    """Bytes a step must move and FLOPs it must do, counted from the model's shapes.
-
-    query_lens[i] new tokens of sequence i attend to context_lens[i] tokens (the new ones
-    included, causally); num_logits rows go through the LM head.
-    """
-    c = engine.model_config
-    layer_params = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
-                    + 3 * c.hidden_size * c.intermediate_size)
-    head_params = c.hidden_size * c.vocab_size
-    weight_bytes = stored_weight_bytes(engine)      # every weight read once, in the bytes it is stored in
-    kv_item = engine.cache.kv_cache.dtype.itemsize
-    kv_token = c.num_hidden_layers * 2 * c.kv_size * kv_item                # K and V, all layers
-    tokens = sum(query_lens)
-    kv_read = sum(context_lens) * kv_token
-    kv_written = tokens * kv_token
-    logits_bytes = 4 * num_logits * c.vocab_size
-    # attention: q.k and p.v for every (query, visible key) pair, every head and layer
-    pairs = sum(sum(ctx - q + i + 1 for i in range(q)) for q, ctx in zip(query_lens, context_lens))
-    attn_flops = 4 * pairs * c.num_attention_heads * c.head_dim * c.num_hidden_layers
-    matmul_flops = 2 * tokens * c.num_hidden_layers * layer_params + 2 * num_logits * head_params
-    return {"bytes": weight_bytes + kv_read + kv_written + logits_bytes, "weight_bytes": weight_bytes,
-            "kv_bytes": kv_read + kv_written, "flops": matmul_flops + attn_flops,
-            "matmul_flops": matmul_flops, "attention_flops": attn_flops}
-
-
-def stored_weight_bytes(engine: LLMEngine) -> int:
-    """Bytes a step reads to multiply every linear weight and the LM head once: each weight as
-    the tier stores it (one copy: float32, bfloat16, int8 or GGUF blocks, docs/weights.md)."""
-    model = engine.model
-    if model is None or engine.parallel_config.world_size > 1 or model.lm_head is None:
-        # workers elsewhere, or this one holding a shard: float32, counted from the shapes
-        c = engine.model_config
-        layer_params = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
-                        + 3 * c.hidden_size * c.intermediate_size)
-        return 4 * (c.num_hidden_layers * layer_params + c.hidden_size * c.vocab_size)
-    linears = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    return int(sum(w.nbytes for w in linears + [model.lm_head]))
-
-
-def bound(cost: dict, machine: dict) -> float:
-    return max(cost["bytes"] / machine["read_bandwidth"], cost["flops"] / machine["matmul_peak"])
-
-
-def serial_bound(cost: dict, machine: dict) -> float:
-    """The step's bound when attention cannot run in the shadow of the matrix products: the
-    products' own bound (their weights and logits read, or their FLOPs), plus attention's
-    (its K/V, read and written, at the bandwidth, or its FLOPs at the peak). On a machine
-    with few cores every core runs either a product or attention at any moment, and a
-    product of many rows keeps its core's arithmetic busy, not the memory: there the two add
-    up (a product's loop could ask for attention's K/V as it runs; measured on two cores, no
-    clear gain, docs/benchmarks.md). ``bound`` assumes they overlap perfectly."""
-    bandwidth, peak = machine["read_bandwidth"], machine["matmul_peak"]
-    product_bytes = cost["bytes"] - cost["kv_bytes"]                    # weights and logits
-    products = max(product_bytes / bandwidth, cost["matmul_flops"] / peak)
-    attention = max(cost["kv_bytes"] / bandwidth, cost["attention_flops"] / peak)
-    return products + attention
-
-
-def _set_bounds(row: dict, machine: dict) -> None:
-    """A timed row's bound, its serial bound and the step's ratio to each."""
-    row["bound_s"] = bound(row, machine)
-    row["ratio"] = row["step_s"] / row["bound_s"]
-    row["serial_bound_s"] = serial_bound(row, machine)
-    row["serial_ratio"] = row["step_s"] / row["serial_bound_s"]
-
-
-def workload_floor(engine: LLMEngine, prompt_lens: list[int], output_len: int, machine: dict) -> dict:
-    """The least time any engine could take for a whole workload on this machine, in the
-    model's precision: its FLOPs at the matmul peak, or, if longer, the bytes it must read at
-    the read bandwidth, whichever is larger (a lower bound: a real run also pays for the
-    phases in which one limit idles while the other works).
-
-    Each prompt is prefilled once (its last position through the LM head: the first output
-    token), then each later token is one query over the prompt and the tokens before it. The
-    bytes: the weights once for each of output_len steps (no token can be made before the one
-    it follows), and every K and V read and written. That is the floor of an engine that makes
-    one token per sequence a step; speculative decoding, which checks several drafted tokens
-    with one read of the weights, can go under its bytes (not its FLOPs).
-    """
-    query_lens, context_lens = [], []
-    for prompt_len in prompt_lens:
-        query_lens.append(prompt_len)                 # the prefill
-        context_lens.append(prompt_len)
-        for t in range(1, output_len):                # token t + 1 sees the prompt and t tokens
-            query_lens.append(1)
-            context_lens.append(prompt_len + t)
-    cost = step_cost(engine, query_lens, context_lens, num_logits=len(prompt_lens) * output_len)
-    nbytes = cost["bytes"] + (max(output_len, 1) - 1) * cost["weight_bytes"]
-    compute_s = cost["flops"] / machine["matmul_peak"]
-    memory_s = nbytes / machine["read_bandwidth"]
-    return {"flops": cost["flops"], "bytes": nbytes, "compute_s": compute_s, "memory_s": memory_s,
-            "floor_s": max(compute_s, memory_s), "bound": "compute" if compute_s >= memory_s else "memory"}
-
 
 # --------------------------------------------------------------------------- timing the parts
 
@@ -452,10 +309,10 @@ def run_roofline(engine_kwargs: dict, cfg: dict, progress=print) -> dict:
         raise ValueError(f"--max-model-len {given} is too short for this roofline run: it needs "
                          f"{longest} tokens (context {cfg['context_len']} plus every timed decode step, "
                          f"and the longest prefill); raise it or leave it unset")
-    machine = {"matmul_peak": matmul_peak(), "read_bandwidth": read_bandwidth(),
+    machine = {"matmul_peak": matmul_peak(), "read_bandwidth": read_bandwidth(), "integer_peak": integer_peak(),
                "last_level_cache_bytes": last_level_cache_bytes()}
     progress(f"machine: matmul peak {machine['matmul_peak'] / 1e9:.0f} GFLOP/s, read bandwidth "
-             f"{machine['read_bandwidth'] / 1e9:.1f} GB/s")
+             f"{machine['read_bandwidth'] / 1e9:.1f} GB/s, integer peak {machine['integer_peak'] / 1e9:.0f} GOP/s")
     kwargs = dict(engine_kwargs, device="cpu")
     kwargs["max_model_len"] = kwargs.get("max_model_len") or longest
     kwargs["max_num_seqs"] = max(kwargs.get("max_num_seqs") or 0, max(batch_sizes))
@@ -471,7 +328,7 @@ def run_roofline(engine_kwargs: dict, cfg: dict, progress=print) -> dict:
     # A machine shared with other guests reads faster or slower from minute to minute: probed
     # again at the end, the bounds take the better reading of each, so no step is set against
     # a slow spell (the progress lines above used the first probe).
-    end = {"matmul_peak": matmul_peak(), "read_bandwidth": read_bandwidth()}
+    end = {"matmul_peak": matmul_peak(), "read_bandwidth": read_bandwidth(), "integer_peak": integer_peak()}
     progress(f"machine at the end: matmul peak {end['matmul_peak'] / 1e9:.0f} GFLOP/s, read bandwidth "
              f"{end['read_bandwidth'] / 1e9:.1f} GB/s")
     machine["probes"] = [{k: machine[k] for k in end}, end]

@@ -47,9 +47,10 @@ WORKLOADS = {
               "the median ratios)",
               dict(num_prompts=32, min_prompt_len=32, max_prompt_len=256, output_len=128, request_rate=math.inf,
                    max_concurrency=None, base_url=None, compare_offline=None, compare_idle=None, repeats=1)),
-    "roofline": ("this machine's matmul peak and read bandwidth, then decode steps at each of BATCH_SIZES "
-                 "(context CONTEXT_LEN) and prefills of PREFILL_LENS tokens, each against its bound "
-                 "max(bytes / bandwidth, FLOPs / peak), with a breakdown of where the time goes",
+    "roofline": ("this machine's matmul peak, read bandwidth and integer peak, then decode steps at each of "
+                 "BATCH_SIZES (context CONTEXT_LEN) and prefills of PREFILL_LENS tokens, each against its bound "
+                 "max(bytes / bandwidth, FLOPs / peak; gguf_a8's integer products at the integer peak), with a "
+                 "breakdown of where the time goes",
                  dict(batch_sizes="1,2,4,8,16,32,64", context_len=256, prefill_lens="256,2048", steps=8,
                       prefill_repeats=2)),
     "quality": ("what each KV_CACHE_DTYPES and each WEIGHT_FORMATS costs: perplexity over NUM_TOKENS tokens "

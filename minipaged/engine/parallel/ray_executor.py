@@ -126,7 +126,7 @@ class WorkerActor:
             # the driver's choices, its weight format included (bfloat16 is asked for as a dtype)
             self.backend = select_backend(device, "bfloat16" if weight_format == "bfloat16" else dtype, cpu_gemm,
                                           linear_paths, kernels, tuning or DEFAULT_TUNING,
-                                          quantization=weight_format if weight_format in ("int8", "gguf") else None)
+                                          quantization=None if weight_format in ("float32", "bfloat16") else weight_format)
             self.worker = Worker(shard, model_config, load_weights(model_dir, weight_format), cache_config,
                                  self.backend, max_model_len)
         except Exception as err:  # noqa: BLE001 (handed to the driver as it is)
@@ -211,7 +211,7 @@ class RayExecutor:
         """A draft model (``extra_models``) stays in the driver with a pool of its own, as many
         blocks as the workers' (its bytes are not in their budgets)."""
         check_ray_backend(parallel, backend.device)
-        if backend.weight_format == "gguf":   # found (or fetched) once here, not by every actor at once
+        if backend.weight_format in ("gguf", "gguf_a8"):   # found (or fetched) once here, not by every actor at once
             gguf_path_of(model_dir)
         import ray  # noqa: PLC0415 (the optional `distributed` extra)
         from ray.util.placement_group import placement_group  # noqa: PLC0415
