@@ -499,13 +499,35 @@ def test_a_task_that_fails_ends_the_step_with_an_error_not_a_hang():
 
 
 def _escapes(source: str) -> list[str]:
-    """Where a view from ``borrowed(...)`` could outlive the call that borrowed it: a name bound to
-    one that is returned, yielded, stored into an attribute, an item or a container, or bound
-    anywhere but a plain local. ("function: line")"""
+    """Where a view from ``borrowed(...)`` could outlive the call that borrowed it, or the array
+    under it could die first: a name bound to one that is returned, yielded, stored into an
+    attribute, an item or a container, or bound anywhere but a plain local; or a view of anything
+    but the function's own parameters, never rebound but to their views (an array the function
+    made, its only reference a local, is freed after that local's last use: the view would be
+    read after it). ("function: line")"""
     import ast
 
     found = []
     for fn in [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)]:
+        params = {a.arg for a in fn.args.args}
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Assign):
+                continue
+            values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            targets = [t for target in node.targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+            for target, value in zip(targets, values if len(values) == len(targets) else [None] * len(targets)):
+                is_view = isinstance(value, ast.Call) and getattr(value.func, "id", "") == "borrowed"
+                if isinstance(target, ast.Name) and not is_view:
+                    params.discard(target.id)                   # rebound to something else
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "borrowed":
+                viewed, exprs = [], [node.args[0]]                      # the arrays it may view
+                while exprs:
+                    e = exprs.pop()
+                    exprs += [e.body, e.orelse] if isinstance(e, ast.IfExp) else []
+                    viewed += [e] if not isinstance(e, ast.IfExp) else []
+                if any(not (isinstance(e, ast.Name) and e.id in params) for e in viewed):
+                    found.append(f"{fn.name}: {node.lineno} (not a parameter)")
         names = set()
         for node in ast.walk(fn):
             if isinstance(node, ast.Assign) and any(isinstance(c, ast.Call) and getattr(c.func, "id", "") == "borrowed"
@@ -540,3 +562,6 @@ def test_borrowed_views_never_leave_the_function_that_borrowed_them():
     # the check sees an escape where there is one
     leaky = "def f(x):\n    v = borrowed(x)\n    return v\n\ndef g(x, box):\n    box.view = borrowed(x)\n"
     assert _escapes(leaky) == ["f: 3", "g: 6 (stored)"]
+    freed = ("def h(x, n):\n    x = make(x, n)\n    v = borrowed(x)\n    use(v)\n\n"      # x: h's own array
+             "def k(x, b, n):\n    x, b = borrowed(x), borrowed(b)\n    use(borrowed(b if n else x))\n")
+    assert _escapes(freed) == ["h: 3 (not a parameter)"]

@@ -64,7 +64,7 @@ from .compile import guarded
 from ..kv_quant import KV_FLOAT
 from .layer_stack import LayerStack
 from .panel_gemm import PANEL, padded_rows
-from .quant_a8 import Q4_1_A8, bounce, rounded_size
+from .quant_a8 import Q4_1_A8, round_rows, rounded_size
 from .quant_panels import any_panel_rows
 from .simd import LANES, SIMD_CACHE, prefetch
 
@@ -143,8 +143,9 @@ def _product(ctr, phase, x, w, fmt, k_dim, panels, per_task, out, rows, it, blob
     minutes to compile. A task's first panel asks for its own lines ahead (``first``) unless this
     thread has just run the task before it, whose passes asked for them."""
     tasks = -(-panels // per_task)
-    x = bounce(x, fmt, k_dim, rows, blob)      # "q4_1_a8": x rounded into the iteration's blob, once
-    xs, ws, outs = borrowed(x), borrowed(w), borrowed(out)   # no reference counts in the loops
+    if fmt == Q4_1_A8:                         # x rounded into the iteration's blob, once (quant_a8.py)
+        round_rows(x, rows, k_dim, blob)
+    xs, ws, outs = borrowed(blob if fmt == Q4_1_A8 else x), borrowed(w), borrowed(out)   # no reference counts
     task, r = _claim(ctr, phase, tasks, it)
     last = -2
     while task < tasks:
@@ -280,8 +281,7 @@ def _decode_layers_body(hidden, x, x_flat, qkv_out, q, k, v, attn, attn_flat, o_
             tasks = _product(ctr, base + 8, g_flat, down_w[layer], fmts[3], ffn, widths[3] // PANEL, per_task[3], d_out,
                              rows, it, blobs[it])
             last = layer + 1 == num_layers
-            # the next weight: the next layer's qkv, or the LM head (or none); two calls, not one
-            # variable: a quantized layer's panels and a float32 head are arrays of two types
+            # the next weight: the next qkv or the head (or none); two calls, their arrays two types
             if last:
                 cursor = _wait(ctr, base + 8, tasks, head_w, 0, _limit(head_w) if with_head else 0)
             else:
