@@ -87,6 +87,9 @@ def load_checkpoint(model_dir: str | Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+LOADED_FORMATS = ("float32", "bfloat16", "int8", "gguf", "gguf_a8")   # a backend's weight_format
+
+
 def load_weights(model_dir: str | Path, weight_format: str = "float32") -> dict:
     """A model's tensors in ``weight_format``: "gguf", the model's GGUF file's own blocks
     (``gguf_convert.read_gguf_weights``; a registry model fetched before the file was kept gets
@@ -94,6 +97,8 @@ def load_weights(model_dir: str | Path, weight_format: str = "float32") -> dict:
     here, before any worker takes its slice (an int8 row's scale is the whole row's, whichever
     rank holds which of its columns); "float32", the checkpoint as it is; "gguf_a8", the GGUF's
     blocks with its Q4_1 matrices as "q4_1_a8" (their products read x rounded to int8)."""
+    if weight_format not in LOADED_FORMATS:
+        raise ValueError(f"weights are loaded as one of {LOADED_FORMATS}, not {weight_format!r}")
     if weight_format in ("bfloat16", "int8"):
         return quantize_matrices(load_checkpoint(model_dir), weight_format)
     if weight_format not in ("gguf", "gguf_a8"):

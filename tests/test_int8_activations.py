@@ -183,6 +183,8 @@ def test_a_model_in_q4_1_a8_agrees_on_both_tiers_and_stays_near_its_float_weight
 def test_gguf_a8_loads_the_gguf_blocks_with_q4_1_as_q4_1_a8(tmp_path):
     model_dir = write_tiny_llama(tmp_path / "g", seed=3, gguf=True, intermediate_size=128)
     plain, a8 = load_weights(model_dir, "gguf"), load_weights(model_dir, "gguf_a8")
+    with pytest.raises(ValueError, match="not 'gguf_a4'"):
+        load_weights(model_dir, "gguf_a4")                   # named, not loaded as float32
     converted = 0
     for name, t in plain.items():
         if isinstance(t, QuantizedWeight):
