@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import config as numba_config, njit, prange, types as nb_types
-from numba.core.codegen import get_host_cpu_features
+from numba import njit, prange, types as nb_types
 from numba.extending import intrinsic, models, register_model
 
 from ..weight_formats import GGUF_BLOCK
 from .panel_gemm import PANEL
-from .simd import (LANES, SIMD_CACHE, f32vec, prefetch, vadd, vfma, vload, vload_f16, vmax, vmax_lanes, vmul, vsplat,
-                   vstore, vsum, vzero)
+from .simd import (LANES, SIMD_CACHE, compiled_cpu_features, f32vec, prefetch, vadd, vfma, vload, vload_f16, vmax,
+                   vmax_lanes, vmul, vsplat, vstore, vsum, vzero)
 from .tuning import ROW_AHEAD
 
 Q4_1_A8 = 5                            # quant_panels.FORMAT_CODES of "q4_1_a8"
@@ -58,13 +57,9 @@ def dot_instructions(features: str, lanes: int) -> str:
     return "avx2" if "+avx2" in have else "generic"
 
 
-def _host_features() -> str:
-    features = numba_config.CPU_FEATURES            # NUMBA_CPU_FEATURES, when the user pins a target
-    return get_host_cpu_features() if features is None else features
-
-
-DOT = dot_instructions(_host_features(), LANES)
+DOT = dot_instructions(compiled_cpu_features(), LANES)
 _I32 = ir.VectorType(ir.IntType(32), LANES)
+_F32 = ir.VectorType(ir.FloatType(), LANES)
 
 
 class I32Vec(nb_types.Type):
@@ -191,11 +186,7 @@ def izero(typingctx):
 @intrinsic
 def vfloat(typingctx, acc):
     """acc's int32 sums as float32s (exact up to 2**24)."""
-    return f32vec(acc), lambda context, builder, sig, args: builder.sitofp(args[0], f32vec_ir())
-
-
-def f32vec_ir() -> ir.VectorType:
-    return ir.VectorType(ir.FloatType(), LANES)
+    return f32vec(acc), lambda context, builder, sig, args: builder.sitofp(args[0], _F32)
 
 
 # --------------------------------------------------------------------------- the bounce buffer
@@ -213,8 +204,7 @@ def vrint(typingctx, v):
         return None
 
     def codegen(context, builder, sig, args):
-        vector = f32vec_ir()
-        return builder.call(_declare(builder, f"llvm.rint.v{LANES}f32", vector, [vector]), args)
+        return builder.call(_declare(builder, f"llvm.rint.v{LANES}f32", _F32, [_F32]), args)
     return f32vec(v), codegen
 
 

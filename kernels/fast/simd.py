@@ -64,6 +64,14 @@ from numba.extending import intrinsic, models, register_model
 LANES_ENV = "MINIPAGED_SIMD_LANES"
 
 
+def compiled_cpu_features() -> str:
+    """The CPU features Numba compiles for, LLVM's "+avx2,+avx512f,..." string: NUMBA_CPU_FEATURES
+    when the user pins a target, else Numba's own reading ("" where the host's can't be read, no
+    avx* under NUMBA_ENABLE_AVX=0)."""
+    features = numba_config.CPU_FEATURES
+    return get_host_cpu_features() if features is None else features
+
+
 def host_vector_shape(override: str | None = None) -> tuple[int, int]:
     """(lanes, registers) of the vector unit Numba compiles for: (16, 32) with AVX-512, else
     (8, 16); ``override`` ("8" or "16", ``MINIPAGED_SIMD_LANES``) picks a width instead."""
@@ -71,10 +79,7 @@ def host_vector_shape(override: str | None = None) -> tuple[int, int]:
         if override not in ("8", "16"):
             raise ValueError(f"{LANES_ENV} must be 8 or 16 (float32 lanes of a register), got {override!r}")
         return (16, 32) if override == "16" else (8, 16)
-    features = numba_config.CPU_FEATURES          # NUMBA_CPU_FEATURES, when the user pins a target
-    if features is None:                           # Numba's own reading: "" where the host's can't be
-        features = get_host_cpu_features()        # read, no avx* under NUMBA_ENABLE_AVX=0
-    return (16, 32) if "+avx512f" in features.split(",") else (8, 16)
+    return (16, 32) if "+avx512f" in compiled_cpu_features().split(",") else (8, 16)
 
 
 _OVERRIDE = os.environ.get(LANES_ENV)
