@@ -19,12 +19,15 @@ Formats, and the bytes one weight costs:
 "q8_0"      1.0625 GGUF's blocks of 32: d float16 and 32 int8 codes, w = d * q
 "q4_1_a8"   0.625  "q4_1"'s bytes and meaning, multiplied by x rounded to int8 a block of 32
                    (``round_activations``), as llama.cpp multiplies Q4_1 (``--quantization gguf_a8``)
+"q8_0_a8"   1.0625 "q8_0"'s bytes and meaning, multiplied by x rounded the same way, as llama.cpp
+                   multiplies Q8_0 (``--quantization gguf_a8``'s embedding and LM head)
 =========== ====== ===================================================================
 
 ``QuantizedWeight`` holds a weight (out, in) in one of the compact formats, with
 ``dequantize()`` and ``product(x)``, the NumPy spec every tier's kernels are tested against (the
 plain tier computes exactly this). Activations and sums stay float32 in every tier, but for
-"q4_1_a8", whose products read x rounded to int8 codes with a float32 scale a block of 32.
+"q4_1_a8" and "q8_0_a8", whose products read x rounded to int8 codes with a float32 scale a block
+of 32.
 """
 
 from __future__ import annotations
@@ -33,13 +36,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q8_0", "q4_1_a8")
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q8_0", "q4_1_a8", "q8_0_a8")
 QUANTIZED_FORMATS = WEIGHT_FORMATS[1:]
 GGUF_BLOCK = 32                                       # weights in one GGUF block
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q4_1_a8": 20}  # bytes of one block: the scales and the codes
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q4_1_a8": 20, "q8_0_a8": 34}   # bytes of a block: scales and codes
 BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "q4_1": 20 / 32, "q8_0": 34 / 32,
-                    "q4_1_a8": 20 / 32}
-ROUNDS_ACTIVATIONS = ("q4_1_a8",)                     # formats whose products read x rounded to int8
+                    "q4_1_a8": 20 / 32, "q8_0_a8": 34 / 32}
+ROUNDS_ACTIVATIONS = ("q4_1_a8", "q8_0_a8")           # formats whose products read x rounded to int8
+A8_FORMATS = {"q4_1": "q4_1_a8", "q8_0": "q8_0_a8"}   # a GGUF format -> the same bytes, x rounded
 
 
 @dataclass(frozen=True)
@@ -48,14 +52,14 @@ class QuantizedWeight:
 
     fmt: str
     data: np.ndarray                 # bfloat16: (out, in) uint16; int8: (out, in) int8;
-                                     # q4_1(_a8) / q8_0: (out, in // 32, 20 or 34) uint8, GGUF's bytes
+                                     # q4_1(_a8) / q8_0(_a8): (out, in // 32, 20 or 34) uint8, GGUF's bytes
     scales: np.ndarray | None = None  # int8: (out,) float32; else None
 
     def __post_init__(self) -> None:
         if self.fmt not in QUANTIZED_FORMATS:
             raise ValueError(f"a quantized weight's format is one of {QUANTIZED_FORMATS}, got {self.fmt!r}")
         expected = {"bfloat16": (np.uint16, 2), "int8": (np.int8, 2), "q4_1": (np.uint8, 3), "q8_0": (np.uint8, 3),
-                    "q4_1_a8": (np.uint8, 3)}
+                    "q4_1_a8": (np.uint8, 3), "q8_0_a8": (np.uint8, 3)}
         dtype, ndim = expected[self.fmt]
         if self.data.dtype != dtype or self.data.ndim != ndim:
             raise ValueError(f"a {self.fmt} weight's data is a {ndim}-D {np.dtype(dtype)} array, "
@@ -93,7 +97,7 @@ class QuantizedWeight:
             return self.data.astype(np.float32) * self.scales[:, None]
         blocks = self.data                                            # (out, in / 32, bytes)
         d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # (out, in / 32, 1)
-        if self.fmt == "q8_0":
+        if self.fmt in ("q8_0", "q8_0_a8"):
             q = blocks[..., 2:].view(np.int8).astype(np.float32)        # (out, in / 32, 32)
             return (d * q).reshape(self.shape)
         m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)  # (out, in / 32, 1)
@@ -167,13 +171,13 @@ def quantize(w: np.ndarray, fmt: str) -> np.ndarray | QuantizedWeight:
     from gguf import GGMLQuantizationType                     # noqa: PLC0415 (llama.cpp's own quantizers)
     from gguf.quants import quantize as gguf_quantize        # noqa: PLC0415
 
-    kind = GGMLQuantizationType.Q8_0 if fmt == "q8_0" else GGMLQuantizationType.Q4_1
+    kind = GGMLQuantizationType.Q8_0 if fmt in ("q8_0", "q8_0_a8") else GGMLQuantizationType.Q4_1
     raw = gguf_quantize(w, kind)                                          # (out, in / 32 * bytes) uint8
     return QuantizedWeight(fmt, raw.reshape(w.shape[0], -1, BLOCK_BYTES[fmt]))
 
 
 def round_activations(x: np.ndarray) -> np.ndarray:
-    """x (..., in) float32 as a "q4_1_a8" product reads it: each row's blocks of 32 rounded to
+    """x (..., in) float32 as a "q4_1_a8" or "q8_0_a8" product reads it: each row's blocks of 32 rounded to
     int8 codes q = rint(x / d) with d = max |x| / 127 of the block (llama.cpp's q8_1, its d
     kept float32), and returned as q * d. In float32 throughout: the fast tier's codes are these
     (``kernels/fast/quant_a8.py``). A block with a nan or an inf comes back non-finite."""

@@ -138,7 +138,7 @@ class EngineConfig:
     kernels: str = field(default_factory=default_kernels)   # the CPU's tier: "fast" (kernels/fast/) or "simple"
     # the CPU's weights in fewer bytes: None (as dtype says: float32, or bfloat16), "int8" (a scale
     # per output row), "gguf" (the model's GGUF file's own blocks: Q4_1, Q8_0), "gguf_a8" (those
-    # blocks, the Q4_1 products reading x rounded to int8, as llama.cpp's do); vLLM's --quantization
+    # blocks, every product reading x rounded to int8, as llama.cpp's do); vLLM's --quantization
     quantization: str | None = None
 
     def __post_init__(self) -> None:

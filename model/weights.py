@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..kernels.weight_formats import QuantizedWeight, bf16_to_float32, quantize   # bf16: a float32's top half
+from ..kernels.weight_formats import A8_FORMATS, QuantizedWeight, bf16_to_float32, quantize   # bf16: a float32's top half
 from .errors import ModelFormatError
 
 # safetensors dtype tag -> numpy dtype; BF16 has no numpy dtype and is widened below
@@ -96,7 +96,8 @@ def load_weights(model_dir: str | Path, weight_format: str = "float32") -> dict:
     it now); "bfloat16" or "int8", every matrix of the safetensors checkpoint quantized whole,
     here, before any worker takes its slice (an int8 row's scale is the whole row's, whichever
     rank holds which of its columns); "float32", the checkpoint as it is; "gguf_a8", the GGUF's
-    blocks with its Q4_1 matrices as "q4_1_a8" (their products read x rounded to int8)."""
+    blocks with its Q4_1 and Q8_0 matrices as "q4_1_a8" and "q8_0_a8" (their products read x
+    rounded to int8)."""
     if weight_format not in LOADED_FORMATS:
         raise ValueError(f"weights are loaded as one of {LOADED_FORMATS}, not {weight_format!r}")
     if weight_format in ("bfloat16", "int8"):
@@ -107,8 +108,8 @@ def load_weights(model_dir: str | Path, weight_format: str = "float32") -> dict:
 
     tensors = read_gguf_weights(gguf_path_of(model_dir))
     if weight_format == "gguf_a8":
-        tensors = {name: QuantizedWeight("q4_1_a8", t.data) if isinstance(t, QuantizedWeight) and t.fmt == "q4_1"
-                   else t for name, t in tensors.items()}
+        tensors = {name: QuantizedWeight(A8_FORMATS[t.fmt], t.data) if isinstance(t, QuantizedWeight)
+                   and t.fmt in A8_FORMATS else t for name, t in tensors.items()}
     return tensors
 
 

@@ -1,5 +1,6 @@
-"""x rounded to int8 for GGUF's Q4_1 products ("q4_1_a8", ``--quantization gguf_a8``:
-kernels/weight_formats.py's ``round_activations``, kernels/fast/quant_a8.py).
+"""x rounded to int8 for GGUF's Q4_1 and Q8_0 products ("q4_1_a8", "q8_0_a8", ``--quantization
+gguf_a8``: kernels/weight_formats.py's ``round_activations``, kernels/fast/quant_a8.py and
+int8_dot.py).
 
 The oracles: the rounding's definition computed element by element in float32 scalars (the
 spec), NumPy's integer dot products (each CPU's instructions for them), the spec's product
@@ -14,8 +15,9 @@ from numba.core.codegen import get_host_cpu_features
 
 from minipaged import SamplingParams
 from minipaged.kernels.fast.ops import FastOps
-from minipaged.kernels.fast.quant_a8 import (DOT_KINDS, Q4_1_A8, bounce, dot_instructions, i32vec, izero,
-                                            block_dot, rounded_size, vfloat)
+from minipaged.kernels.fast.int8_dot import (DOT_KINDS, block_dot, block_dot8, dot8_offset, dot_instructions, i32vec,
+                                            izero, vfloat)
+from minipaged.kernels.fast.quant_a8 import Q4_1_A8, bounce, rounded_size
 from minipaged.kernels.fast.quant_panels import pack, quant_panel_linear
 from minipaged.kernels.fast.simd import LANES, vstore
 from minipaged.kernels.simple import SimpleOps
@@ -137,12 +139,42 @@ def test_each_cpus_instructions_add_the_bytes_products(kind):
     assert i32vec.name == f"i32x{LANES}"
 
 
+@pytest.mark.parametrize("kind", DOT_KINDS)
+def test_each_cpus_instructions_add_signed_codes_products(kind):
+    """Q8_0's int8 codes (-128..127) times x's: NumPy's integer sums, plus dot8_offset(kind) times
+    x's sum (VNNI's unsigned first operand reads c + 128); at the extremes too (-128 x -127
+    everywhere: AVX2's pairs of products, 32512, must not saturate an int16)."""
+    if not _runnable(kind):
+        pytest.skip(f"{kind} instructions do not run on this CPU ({LANES} lanes)")
+    dot = block_dot8(kind)
+
+    @njit
+    def run(w, xb, out):
+        acc = dot(izero(), w, 0, xb, 0)                     # 8 groups of PANEL = 2 LANES words
+        vstore(out, 0, vfloat(dot(acc, w, 4 * LANES, xb, 0)))   # the second LANES features: the same x
+
+    rng = np.random.default_rng(5)
+    cases = [(rng.integers(-128, 128, (8, 2, LANES, 4)), rng.integers(-127, 128, 32)),   # (g, part, lane, j)
+             (np.full((8, 2, LANES, 4), -128), np.full(32, -127)), (np.full((8, 2, LANES, 4), 127), np.full(32, 127)),
+             (np.full((8, 2, LANES, 4), -128), np.full(32, 127))]
+    for codes, x in cases:
+        codes, x = codes.astype(np.int8), x.astype(np.int8)
+        xb = np.zeros(8, np.float32)
+        xb.view(np.int8)[:] = x
+        out = np.zeros(LANES, np.float32)
+        run(codes.view(np.uint8).reshape(-1), xb, out)
+        xi = x.astype(np.int64).reshape(8, 4)                                # (g, j)
+        want = sum(codes[g, p].astype(np.int64) @ xi[g] for g in range(8) for p in range(2))   # (LANES,)
+        np.testing.assert_array_equal(out, (want + dot8_offset(kind) * x.astype(np.int64).sum() * 2).astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1_a8", "q8_0_a8"])
 @pytest.mark.parametrize("shape", [(40, 64), (100, 576)])
-def test_the_products_are_the_rounded_xs_at_every_row_count(shape):
+def test_the_products_are_the_rounded_xs_at_every_row_count(shape, fmt):
     """1 and 2 rows, 3-8 (two rows at a time, an odd one last), a prefill's 300: the spec's
     product of the rounded x within float32 rounding, and the panels give the blocks back."""
     rng = np.random.default_rng(2)
-    q = quantize((rng.standard_normal(shape) * 0.05).astype(np.float32), "q4_1_a8")
+    q = quantize((rng.standard_normal(shape) * 0.05).astype(np.float32), fmt)
     panels = pack(q)
     assert panels.nbytes == q.nbytes + (-shape[0] % (2 * LANES)) * q.nbytes // shape[0]
     np.testing.assert_array_equal(panels.unpack().data, q.data)
@@ -152,23 +184,29 @@ def test_the_products_are_the_rounded_xs_at_every_row_count(shape):
         np.testing.assert_allclose(quant_panel_linear(x, panels, 2), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
-def test_q4_1_a8_is_q4_1s_bytes_and_meaning():
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_the_a8_formats_are_the_gguf_formats_bytes_and_meaning(fmt):
     w = (np.random.default_rng(3).standard_normal((8, 96)) * 0.1).astype(np.float32)
-    a8, q41 = quantize(w, "q4_1_a8"), quantize(w, "q4_1")
-    assert a8.fmt == "q4_1_a8" and np.array_equal(a8.data, q41.data) and a8.nbytes == q41.nbytes
+    a8, q41 = quantize(w, fmt + "_a8"), quantize(w, fmt)
+    assert a8.fmt == fmt + "_a8" and np.array_equal(a8.data, q41.data) and a8.nbytes == q41.nbytes
     np.testing.assert_array_equal(a8.dequantize(), q41.dequantize())
     x = np.random.default_rng(4).standard_normal((3, 96)).astype(np.float32)
     np.testing.assert_array_equal(a8.product(x), round_activations(x) @ q41.dequantize().T)
     np.testing.assert_array_equal(q41.product(x), x @ q41.dequantize().T)
 
 
-def test_a_model_in_q4_1_a8_agrees_on_both_tiers_and_stays_near_its_float_weights():
-    """The tiny model's matrices in q4_1_a8: the fast tier (a prefill, then a decode step in the
-    persistent kernel) gives the plain tier's logits; both stay within a few hundredths of the
-    dense reference's logits of the same weights with x unrounded (the rounding's cost)."""
+def test_a_model_in_the_a8_formats_agrees_on_both_tiers_and_stays_near_its_float_weights():
+    """The tiny model as gguf_a8 holds one, its layers' matrices in q4_1_a8 and its embedding (the
+    tied head) in q8_0_a8: the fast tier (a prefill, then a decode step in the persistent kernel)
+    gives the plain tier's logits; both stay within a few hundredths of the dense reference's
+    logits of the same weights with x unrounded (the rounding's cost)."""
     config = tiny_config(intermediate_size=128)
     cfg = LlamaConfig.from_dict(config)
-    tensors = quantize_matrices(random_tensors(config, 5), "q4_1_a8")
+    raw = random_tensors(config, 5)
+    tensors = quantize_matrices(raw, "q4_1_a8")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in raw:
+            tensors[name] = quantize(raw[name], "q8_0_a8")
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, size=12)
     logits = {ops.name: prefill_then_decode(LlamaModel(cfg, tensors, ops), cfg, ids,
                                             np.array([[3, 1, 6, 0]], np.int32), 4)
@@ -180,7 +218,7 @@ def test_a_model_in_q4_1_a8_agrees_on_both_tiers_and_stays_near_its_float_weight
     assert 0 < gap < 0.05, gap
 
 
-def test_gguf_a8_loads_the_gguf_blocks_with_q4_1_as_q4_1_a8(tmp_path):
+def test_gguf_a8_loads_the_gguf_blocks_as_q4_1_a8_and_q8_0_a8(tmp_path):
     model_dir = write_tiny_llama(tmp_path / "g", seed=3, gguf=True, intermediate_size=128)
     plain, a8 = load_weights(model_dir, "gguf"), load_weights(model_dir, "gguf_a8")
     with pytest.raises(ValueError, match="not 'gguf_a4'"):
@@ -188,15 +226,15 @@ def test_gguf_a8_loads_the_gguf_blocks_with_q4_1_as_q4_1_a8(tmp_path):
     converted = 0
     for name, t in plain.items():
         if isinstance(t, QuantizedWeight):
-            assert a8[name].fmt == ("q4_1_a8" if t.fmt == "q4_1" else t.fmt), name
+            assert a8[name].fmt == t.fmt + "_a8", name
             assert np.array_equal(a8[name].data, t.data)
             converted += t.fmt == "q4_1"
-    assert converted >= 4 * 2 and a8["model.embed_tokens.weight"].fmt == "q8_0"   # every layer's matrices
+    assert converted >= 4 * 2 and a8["model.embed_tokens.weight"].fmt == "q8_0_a8"   # every layer's matrices
     llm = make_llm(model_dir, num_blocks=32, quantization="gguf_a8")
     assert llm.llm_engine.backend.weight_format == "gguf_a8"
     layer = llm.llm_engine.runner.model.layers[0]
     assert {w.fmt for w in (layer.qkv, layer.o, layer.gate_up, layer.down)} == {"q4_1_a8"}   # the panels'
-    assert llm.llm_engine.runner.model.lm_head.fmt == "q8_0"
+    assert llm.llm_engine.runner.model.lm_head.fmt == "q8_0_a8"
     out = llm.generate([{"prompt_token_ids": list(range(5, 30))}],
                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6

@@ -237,11 +237,11 @@ _OTHER_WIDTH_CHECK = textwrap.dedent("""
     from minipaged.kernels.weight_formats import quantize
     w = (0.05 * rng.standard_normal((3 * PANEL - 5, 160))).astype(np.float32)
     from minipaged.kernels.weight_formats import round_activations
-    for fmt in ("bfloat16", "int8", "q4_1", "q8_0", "q4_1_a8"):   # q4_1_a8: x rounded, integer products
+    for fmt in ("bfloat16", "int8", "q4_1", "q8_0", "q4_1_a8", "q8_0_a8"):   # _a8: x rounded, integer products
         q = quantize(w, fmt)
         for rows in (1, 4, 12, 28):
             x = rng.standard_normal((rows, 160), dtype=np.float32)
-            read = round_activations(x) if fmt == "q4_1_a8" else x            # (rows, 160): what it multiplies
+            read = round_activations(x) if fmt.endswith("_a8") else x         # (rows, 160): what it multiplies
             want = read.astype(np.float64) @ q.dequantize().T.astype(np.float64)
             np.testing.assert_allclose(quant_panel_linear(x, pack_quant(q), 2), want, rtol=2e-5,
                                        atol=2e-5 * np.abs(want).max())

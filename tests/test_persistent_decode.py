@@ -350,7 +350,7 @@ def test_a_step_of_several_sequences_gives_the_layer_by_layer_floats(monkeypatch
     assert len(runs) == 2
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "q4_1", "q4_1_a8"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "q4_1", "q4_1_a8", "q8_0_a8"])
 def test_a_quantized_step_gives_the_layer_by_layer_floats_at_every_row_count(monkeypatch, fmt):
     """A model stored in ``fmt`` (its panels the only copy of its weights): decode steps of 1, 2
     and 3 sequences (codes times one or two rows in registers, three padded to four), 4 and 8 (four

@@ -10,7 +10,7 @@ the bytes from the checkpoint to the kernel and the clock:
 - int8 (``quantization="int8"``), 1 byte and a scale per output row;
 - the GGUF's own blocks (``quantization="gguf"``): Q4_1, 0.625 bytes a weight (d, m and 32
   four-bit codes per block of 32), and Q8_0 for the embedding, as llama.cpp reads them;
-- the same blocks with x rounded to int8 for the Q4_1 products (``quantization="gguf_a8"``),
+- the same blocks with x rounded to int8 for every product (``quantization="gguf_a8"``),
   as llama.cpp multiplies them: the same bytes, fewer instructions a weight.
 
 Step 1 counts the bytes a decode step must read in each. Step 2 takes one weight apart: a

@@ -14,7 +14,8 @@
 ``quant_panels.py`` quantized weights in panels (bfloat16, int8, GGUF's blocks); a row's loops in registers
 ``quant_blocks.py`` GGUF's Q4_1 / Q8_0 blocks in registers: their scales, a widened pair of k, a single row
 ``quant_widen.py``  quantized panels widened to float32: runs on the stack for the tiles, or whole for BLAS
-``quant_a8.py``     Q4_1 panels times x rounded to int8 ("q4_1_a8"): the bounce buffer, the integer dot products
+``quant_a8.py``     GGUF panels times x rounded to int8 ("q4_1_a8", "q8_0_a8"): the bounce buffer, the products
+``int8_dot.py``     bytes times bytes into int32 sums, with this CPU's instructions (VNNI, AVX2, plain LLVM)
 ``packed_gemm.py``  oneMKL's packed sgemm, loaded with ctypes
 ``linear_paths.py`` which engine each kind of step takes, ``LinearPaths``
 ``persistent_decode.py``  every layer of a decode step in one parallel region

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import get_num_threads, njit, prange
 
-from ..weight_formats import QuantizedWeight
+from ..weight_formats import ROUNDS_ACTIVATIONS, QuantizedWeight
 from .huge_pages import Arena
 from .panel_gemm import PanelWeight, pack as pack_panels, panel_shape
 from .quant_panels import QuantPanelWeight, pack as pack_quant, packed_size
@@ -160,11 +160,11 @@ def quantized_linear(x: np.ndarray, panels: QuantPanelWeight, tuning: FastTuning
     """x (T, in) times a quantized weight held as its panels only (``quant_panels.py``) -> (T, out):
     up to ``panel_max_rows`` rows (decode steps) widen it as they read it (``quant_rows``); a
     prefill's rows (arithmetic-bound: the widening is a small part) widen it to float32 for
-    numpy's BLAS. A "q4_1_a8" weight's every product, a prefill's too, is its integer one
+    numpy's BLAS. A "q4_1_a8" or "q8_0_a8" weight's every product, a prefill's too, is its integer one
     (``quant_a8.py``: x rounded, two rows at a time), faster than BLAS on the widened weight."""
     if x.ndim != 2 or x.shape[1] != panels.in_features:
         raise ValueError(f"linear: x {x.shape} does not fit a {panels.shape} weight: x must be (T, in)")
     x = np.asarray(x, np.float32)
-    if 1 <= x.shape[0] <= tuning.panel_max_rows or panels.fmt == "q4_1_a8":
+    if 1 <= x.shape[0] <= tuning.panel_max_rows or panels.fmt in ROUNDS_ACTIVATIONS:
         return panels.apply(x, get_num_threads())
     return x @ widen_transposed(panels)

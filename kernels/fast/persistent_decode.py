@@ -64,7 +64,7 @@ from .compile import guarded
 from ..kv_quant import KV_FLOAT
 from .layer_stack import LayerStack
 from .panel_gemm import PANEL, padded_rows
-from .quant_a8 import Q4_1_A8, round_rows, rounded_size
+from .quant_a8 import Q4_1_A8, Q8_0_A8, round_rows, rounded_size, rounds_x
 from .quant_panels import any_panel_rows
 from .simd import LANES, SIMD_CACHE, prefetch
 
@@ -143,9 +143,9 @@ def _product(ctr, phase, x, w, fmt, k_dim, panels, per_task, out, rows, it, blob
     minutes to compile. A task's first panel asks for its own lines ahead (``first``) unless this
     thread has just run the task before it, whose passes asked for them."""
     tasks = -(-panels // per_task)
-    if fmt == Q4_1_A8:                         # x rounded into the iteration's blob, once (quant_a8.py)
+    if rounds_x(fmt):                          # x rounded into the iteration's blob, once (quant_a8.py)
         round_rows(x, rows, k_dim, blob)
-    xs, ws, outs = borrowed(blob if fmt == Q4_1_A8 else x), borrowed(w), borrowed(out)   # no reference counts
+    xs, ws, outs = borrowed(blob if rounds_x(fmt) else x), borrowed(w), borrowed(out)   # no reference counts
     task, r = _claim(ctr, phase, tasks, it)
     last = -2
     while task < tasks:
@@ -377,7 +377,7 @@ def run(kernel, stack_: LayerStack, hidden: np.ndarray, positions: np.ndarray, k
     strides = np.array([st // 4 for st in kv_cache.strides[2:5]], np.int64)  # block, head, token
     logits = np.empty(rows * int(widths[4]) if with_head else 0, np.float32)  # (R x padded vocab,)
     iterations = max(1, num_threads)
-    rounded = max(hidden_size, num_heads * head_dim, stack_.ffn) if Q4_1_A8 in stack_.formats else 0
+    rounded = max(hidden_size, num_heads * head_dim, stack_.ffn) if {Q4_1_A8, Q8_0_A8} & set(stack_.formats) else 0
     blobs = np.empty((iterations, rounded_size(rows, rounded)), np.float32)   # an iteration's x in int8
     ctr = np.zeros((3 + PHASES_PER_LAYER * num_layers, (iterations + 1) * LINE), np.int64)  # done / claimed; failed
     kernel(padded, x, x.reshape(-1), qkv_out, q, k, v, attn, attn.reshape(-1), o_out, gu, gu.reshape(-1),

@@ -11,8 +11,8 @@ flat uint8 array per weight, panel after panel, each ``panel_bytes`` long:
   PANEL bytes, row j holding weight 32 b + j (low nibble) and 32 b + 16 + j (high nibble) of
   each feature: GGUF's own bytes (20 per 32 weights), regrouped by panel;
 - "q8_0": for each block of 32 k: PANEL float16 d, then 32 rows of PANEL int8 codes;
-- "q4_1_a8": Q4_1's bytes regrouped for integer dot products, x rounded to int8 first: its own
-  layout and loops, for every number of rows (``quant_a8.py``).
+- "q4_1_a8", "q8_0_a8": Q4_1's and Q8_0's bytes regrouped for integer dot products, x rounded
+  to int8 first: their own layout and loops, for every number of rows (``quant_a8.py``).
 
 A single row (a one-sequence step, bound by reading the weight) multiplies the codes as it
 loads them, widened in registers (``simd.py``'s byte loads), and asks for the stream's lines
@@ -24,9 +24,9 @@ four at a time (``dense_four_rows``, ``quant_blocks.block_four_rows``): each k w
 for all of them. More rows widen each run of a panel once into a page on the stack and run
 the float32 panels' tiles over it (``quant_widen.py``), so only the compact bytes cross the
 memory bus either way. (A prefill
-widens the whole weight for BLAS: ``quant_widen.widen_transposed``; not "q4_1_a8".)
+widens the whole weight for BLAS: ``quant_widen.widen_transposed``; not the "_a8" formats.)
 ``QuantizedWeight.product(x)`` (``dequantize()`` followed by ``x @ w.T``, x rounded first for
-"q4_1_a8") is the spec (``tests/test_weight_formats.py``).
+the "_a8" formats) is the spec (``tests/test_weight_formats.py``).
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ from numba.extending import overload
 from ..weight_formats import BLOCK_BYTES, GGUF_BLOCK, QuantizedWeight
 from .borrowed import borrowed
 from .panel_gemm import K_RUN, PANEL, _add_four_rows, _four_rows, _two_rows, padded_rows, panel_rows
-from .quant_a8 import Q4_1_A8, a8_rows, bounce, pack_a8, rounded_size, unpack_a8
+from .quant_a8 import Q4_1_A8, Q8_0_A8, a8_rows, bounce, pack_a8, rounded_size, rounds_x, unpack_a8
 from .quant_blocks import Q4_1, Q8_0, block_four_rows, block_row
 from .quant_widen import BF16, INT8, RUN_FLOATS, dense_at, dense_scales, panel_size, widened_rows
 from .simd import LANES, SIMD_CACHE, prefetch, stack_floats, vadd, vbroadcast, vfma, vmul, vstore, vzero
 from .tuning import REGISTER_ROWS, ROW_AHEAD
 
 FORMAT_CODES = {"bfloat16": BF16, "int8": INT8, "q4_1": Q4_1, "q8_0": Q8_0,   # a panel's format, as the kernels name it
-                "q4_1_a8": Q4_1_A8}
+                "q4_1_a8": Q4_1_A8, "q8_0_a8": Q8_0_A8}
 CACHE = SIMD_CACHE
 
 
@@ -88,7 +88,7 @@ class QuantPanelWeight:
 
     def unpack(self) -> QuantizedWeight:
         """The QuantizedWeight these panels were packed from (``pack``'s inverse): the panels are
-        the only copy the fast tier keeps, and a prefill widens them for BLAS (not "q4_1_a8")."""
+        the only copy the fast tier keeps, and a prefill widens them for BLAS (not the "_a8" formats)."""
         panels, k_dim = self.panels, self.in_features
         per_panel = self.data.reshape(panels, -1)                                # (panels, panel_bytes)
         if self.fmt in ("bfloat16", "int8"):
@@ -100,8 +100,8 @@ class QuantPanelWeight:
                       if self.fmt == "int8" else None)
             return QuantizedWeight(self.fmt, np.ascontiguousarray(codes), scales)
         nb, size = k_dim // GGUF_BLOCK, BLOCK_BYTES[self.fmt]
-        if self.fmt == "q4_1_a8":
-            return QuantizedWeight(self.fmt, unpack_a8(self.data, panels, nb)[:self.out_features])
+        if self.fmt in ("q4_1_a8", "q8_0_a8"):
+            return QuantizedWeight(self.fmt, unpack_a8(self.data, panels, nb, size)[:self.out_features])
         blocks = per_panel.reshape(panels, nb, size * PANEL)                     # (panels, nb, block bytes)
         scales = 2 if self.fmt == "q4_1" else 1                                  # float16 rows: d (and m)
         f16 = [blocks[:, :, 2 * PANEL * i:2 * PANEL * (i + 1)].reshape(panels, nb, PANEL, 2) for i in range(scales)]
@@ -130,7 +130,7 @@ def pack(w: QuantizedWeight, into: np.ndarray | None = None) -> QuantPanelWeight
             scales = np.zeros(rows, np.float32)                                 # (panels * PANEL,)
             scales[:out_features] = w.scales
             parts.append(scales.reshape(panels, PANEL).view(np.uint8))          # (panels, 4 PANEL)
-    elif w.fmt == "q4_1_a8":
+    elif w.fmt in ("q4_1_a8", "q8_0_a8"):
         parts = [pack_a8(data)]                                                 # (panels, panel_bytes)
     else:
         blocks = data.reshape(panels, PANEL, -1, BLOCK_BYTES[w.fmt]).transpose(0, 2, 3, 1)  # (panels, nb, bytes, PANEL)
@@ -254,8 +254,8 @@ def quant_rows(x, w, fmt, k_dim, rows, out, n_dim, p):
     widen each run of the panel once, for the float32 tiles (``quant_widen.widened_rows``).
     Callers pad rows as ``panel_gemm.padded_rows(rows, True)`` does: 3, 5, 6 or 7 never come."""
     x, w, out = borrowed(x), borrowed(w), borrowed(out)   # no reference counts in the loops
-    if fmt == Q4_1_A8:                                    # x: its bounce buffer (quant_a8.bounce)
-        a8_rows(x, w, k_dim, rows, out, n_dim, p)
+    if rounds_x(fmt):                                     # x: its bounce buffer (quant_a8.bounce)
+        a8_rows(x, w, fmt, k_dim, rows, out, n_dim, p)
         return
     if rows == 1:
         if fmt == BF16:
@@ -290,8 +290,8 @@ def _quant_product(x, w, fmt, k_dim, panels, out, chunks):
     """x (rows * k_dim,), w (panels * panel_bytes,) uint8, out (rows * panels * PANEL,): thread c
     takes panels [c P / chunks, (c + 1) P / chunks)."""
     rows = x.shape[0] // k_dim
-    blob = np.empty(rounded_size(rows, k_dim) if fmt == Q4_1_A8 else 0, np.float32)   # (rounded_size,)
-    x = bounce(x, fmt, k_dim, rows, blob)               # "q4_1_a8": x rounded, once for every panel
+    blob = np.empty(rounded_size(rows, k_dim) if rounds_x(fmt) else 0, np.float32)   # (rounded_size,)
+    x = bounce(x, fmt, k_dim, rows, blob)               # the "_a8" formats: x rounded, once for every panel
     for c in prange(chunks):
         for p in range(c * panels // chunks, (c + 1) * panels // chunks):
             quant_rows(x, w, fmt, k_dim, rows, out, panels * PANEL, p)

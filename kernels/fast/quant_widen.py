@@ -27,6 +27,7 @@ from numba import njit, prange
 
 from ..weight_formats import GGUF_BLOCK
 from .panel_gemm import K_RUN, PANEL, TILE_ROWS, _add_four_rows, _four_rows, _store_four_rows, _two_rows
+from .quant_a8 import Q8_0_A8
 from .quant_blocks import Q4_1, Q8_0, block_at, block_scales
 from .simd import (LANES, SIMD_CACHE, prefetch, vadd, vload, vload_bf16, vload_f32b, vload_i8,
                    vmul, vsplat, vstore, vzero)
@@ -43,7 +44,7 @@ def panel_size(fmt, k_dim):
         return 2 * PANEL * k_dim
     if fmt == INT8:
         return PANEL * k_dim + 4 * PANEL
-    return k_dim // GGUF_BLOCK * (34 if fmt == Q8_0 else 20) * PANEL     # Q4_1, and quant_a8's Q4_1_A8
+    return k_dim // GGUF_BLOCK * (34 if fmt == Q8_0 or fmt == Q8_0_A8 else 20) * PANEL   # Q4_1 and Q4_1_A8: 20
 
 
 @njit(fastmath=True, inline="always", cache=CACHE)
@@ -187,8 +188,8 @@ def widened_rows(x, w, fmt, k_dim, rows, out, n_dim, p, scratch):
 def widen_transposed(w) -> np.ndarray:
     """A quantized weight's panels (a ``quant_panels.QuantPanelWeight``) widened to float32 and
     transposed, (in, out): what a prefill's BLAS multiplies (``x @ widen_transposed(w)``), made
-    in parallel, each panel's columns at once. ("q4_1_a8"'s panels are laid out for the integer
-    products, which every one of its products runs: ``quant_a8.py``.)"""
+    in parallel, each panel's columns at once. ("q4_1_a8"'s and "q8_0_a8"'s panels are laid out for
+    the integer products, which every one of their products runs: ``quant_a8.py``.)"""
     if w.code not in (BF16, INT8, Q4_1, Q8_0):
         raise ValueError(f"widen_transposed widens bfloat16, int8, q4_1 and q8_0 panels, not {w.fmt!r}")
     n_dim = w.panels * PANEL

@@ -35,7 +35,7 @@ class Backend:
     # cpu_gemm="auto" with oneMKL installed has yet to measure them (engine/linear_calibration.py)
     linear_paths: LinearPaths | None = LinearPaths()
     # how the linear weights are stored (kernels/weight_formats.py): "float32", "bfloat16", "int8",
-    # "gguf" (a GGUF file's own blocks, Q4_1 and Q8_0) or "gguf_a8" (those, x rounded to int8 for Q4_1)
+    # "gguf" (a GGUF file's own blocks, Q4_1 and Q8_0) or "gguf_a8" (those, x rounded to int8)
     weight_format: str = "float32"
 
     @property

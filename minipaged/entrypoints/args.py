@@ -40,7 +40,7 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
                         "computing in float32")
     g.add_argument("--quantization", default=None, choices=["int8", "gguf", "gguf_a8"],
                    help="CPU weights in fewer bytes: int8 (a scale per output row), or gguf (the model's GGUF "
-                        "file's own Q4_1 / Q8_0 blocks); activations stay float32, but gguf_a8's Q4_1 products "
+                        "file's own Q4_1 / Q8_0 blocks); activations stay float32, but gguf_a8's products "
                         "read x rounded to int8 a block of 32, as llama.cpp's do (docs/weights.md)")
     g.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV block (a power of two); the page size of the KV cache")
