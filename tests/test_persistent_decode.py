@@ -257,6 +257,20 @@ def test_a_stage_without_the_head_returns_its_hidden_states():
     np.testing.assert_array_equal(kv, kv_ref)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_product_tasks_share_a_weight_evenly_among_the_threads(threads):
+    """``task_panels``: each task at most TASK_BYTES (or one panel), and the threads' own ranges
+    of tasks, as ``_claim`` cuts them, differ by at most one task."""
+    for panels in (1, 2, 5, 7, 18, 30, 96, 1536):
+        for panel_bytes in (100, 11_520, 30_720, 73_728, 200_000):
+            per = layer_stack.task_panels(panels, panel_bytes, threads)
+            assert per == 1 or per * panel_bytes <= layer_stack.TASK_BYTES
+            tasks = -(-panels // per)
+            sizes = [min(per, panels - t * per) for t in range(tasks)]           # panels of each task
+            shares = [sum(sizes[r * tasks // threads:(r + 1) * tasks // threads]) for r in range(threads)]
+            assert sum(shares) == panels and max(shares) - min(shares) <= per, (panels, panel_bytes, shares)
+
+
 def test_one_compilation_serves_every_depth_and_stage():
     """Each product's panels reach the kernel as one (layers, bytes) array, a view of the
     region the panels were packed into (no copy): models of 1, 2 and 3 layers and a pipeline

@@ -116,8 +116,9 @@ print(f"  {c.num_hidden_layers} layers, {persistent_decode.PHASES_PER_LAYER} pha
       f"(one more for layer 0's first norm, one for the LM head): "
       f"{2 + persistent_decode.PHASES_PER_LAYER * c.num_hidden_layers} phases in one parallel region")
 per = stack.per_task
-print(f"  a product task is a run of {per[0]} panels of qkv and gate/up ({c.hidden_size} inputs), "
-      f"{per[3]} of down ({c.intermediate_size}): about {layer_stack.TASK_BYTES >> 10} KB of weights")
+print(f"  a product task is a run of {per[0]} panels of qkv, {per[2]} of gate/up ({c.hidden_size} inputs), "
+      f"{per[3]} of down ({c.intermediate_size}): at most {layer_stack.TASK_BYTES >> 10} KB of weights, "
+      f"as many tasks as a multiple of the threads")
 engine.add_request("chat", "The operating system keeps a page table for every process, so that",
                    SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
 engine.step()                         # the prompt, and its first token

@@ -17,11 +17,25 @@ import numpy as np
 from .panel_gemm import PANEL, PanelWeight
 from .quant_panels import QuantPanelWeight
 
-# Bytes of a weight's panels in one product task: small enough that the two threads end a
-# product together (the last task is short), large enough that claiming one (an atomic add)
-# is rare: with AVX2's 16-wide panels, 3 of a 576-wide weight, 1 of a
-# 1536-wide one (with AVX-512's 32-wide panels, 1 of either).
-TASK_BYTES = 128 << 10
+# Bytes of a weight's panels in one product task, at most: small enough that the threads end a
+# product together, large enough that claiming one (an atomic add) is rare: with AVX2's 16-wide
+# float32 panels, 1 of a 576-wide weight or of a 1536-wide one (one panel, whatever its size).
+# ``task_panels`` evens them out over the threads. 64 KB against 128: gguf_a8's steps of 1-8
+# sequences 0.1-0.5 ms faster, gguf's no slower (docs/weights.md).
+TASK_BYTES = 64 << 10
+
+
+def task_panels(panels: int, panel_bytes: int, threads: int) -> int:
+    """Panels in one task of a product over ``panels`` panels of ``panel_bytes`` each: each task
+    at most TASK_BYTES (or one panel), the panels cut into about a multiple of ``threads`` tasks
+    of as even a size as whole panels allow, so that the threads' own ranges of tasks
+    (``persistent_decode._claim``) differ by at most a task. (Cut by a 128 KB TASK_BYTES alone,
+    gguf_a8's 30-panel qkv was tasks of 11, 11 and 8 panels: 19 for one thread and 11 for the
+    other, which then waited a third of the phase.)"""
+    threads = max(1, threads)
+    most = max(1, TASK_BYTES // panel_bytes)                  # panels a task may hold
+    tasks = threads * -(-panels // (threads * most))           # enough of them, a multiple of threads
+    return max(1, -(-panels // tasks))
 
 
 @dataclass(frozen=True)
@@ -52,10 +66,12 @@ class LayerStack:
         return self.vocab_size > 0
 
 
-def stack(layers, packed, final_norm: np.ndarray | None = None, head: PanelWeight | None = None) -> LayerStack | None:
+def stack(layers, packed, final_norm: np.ndarray | None = None, head: PanelWeight | None = None,
+          threads: int = 2) -> LayerStack | None:
     """The LayerStack of a model's ``layers`` (LayerWeights) and ``packed`` (PackedLayer), with
-    its ``final_norm`` and LM head's panels ``head`` where this worker holds them; None where a
-    layer's products have no float32 panels (oneMKL's packing, a GPU)."""
+    its ``final_norm`` and LM head's panels ``head`` where this worker holds them, its product
+    tasks cut for ``threads`` threads (``task_panels``); None where a layer's products have no
+    float32 panels (oneMKL's packing, a GPU)."""
     kinds = ("qkv", "o", "gate_up", "down")
     panel_types = (PanelWeight, QuantPanelWeight)
     if not layers or not all(isinstance(getattr(p, kind), panel_types) for p in packed for kind in kinds):
@@ -69,8 +85,8 @@ def stack(layers, packed, final_norm: np.ndarray | None = None, head: PanelWeigh
         head, final_norm = None, None
     weights = first + ([head] if head is not None else [])
     widths = np.array([_panels(w) * PANEL for w in weights] + [0] * (head is None), np.int64)
-    per_task = np.array([max(1, TASK_BYTES // (w.nbytes // _panels(w))) for w in weights] + [1] * (head is None),
-                        np.int64)
+    per_task = np.array([task_panels(_panels(w), w.nbytes // _panels(w), threads) for w in weights]
+                        + [1] * (head is None), np.int64)
     formats = np.array([_format(w) for w in weights] + [0] * (head is None), np.int64)
     qkv, o, _, down = first
     kv_size = (qkv.out_features - o.in_features) // 2

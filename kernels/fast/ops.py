@@ -173,7 +173,7 @@ class FastOps:
             panels = [LayerWeights(layer.input_norm, layer.qkv.numba, layer.o.numba, layer.post_norm,
                                    layer.gate_up.numba, layer.down.numba) for layer in layers]
             state.persistent = layer_stack.stack(panels, panels, weights.final_norm,
-                                                 head.numba if head is not None else None)
+                                                 head.numba if head is not None else None, get_num_threads())
         return dataclasses.replace(weights, layers=layers, lm_head=head, tier_state=state)
 
     def weight_bytes(self, weights: ModelWeights) -> int:
