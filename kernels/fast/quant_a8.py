@@ -156,6 +156,7 @@ def _pair(xb, w, fmt, k_dim, rows, out, n_dim, p, r0, n):
 
 @njit(fastmath=True, inline="always", cache=CACHE)
 def _rows_of(xb, w, fmt, k_dim, rows, out, n_dim, p):
+    """``a8_rows`` for one format (a constant where this is inlined): pairs of rows, an odd one last."""
     for r0 in range(0, rows - 1, 2):
         _pair(xb, w, fmt, k_dim, rows, out, n_dim, p, r0, 2)
     if rows % 2:
