@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import get_num_threads
 
 from .panel_gemm import PANEL, PanelWeight
 from .quant_panels import QuantPanelWeight
@@ -67,11 +68,11 @@ class LayerStack:
 
 
 def stack(layers, packed, final_norm: np.ndarray | None = None, head: PanelWeight | None = None,
-          threads: int = 2) -> LayerStack | None:
+          threads: int | None = None) -> LayerStack | None:
     """The LayerStack of a model's ``layers`` (LayerWeights) and ``packed`` (PackedLayer), with
     its ``final_norm`` and LM head's panels ``head`` where this worker holds them, its product
-    tasks cut for ``threads`` threads (``task_panels``); None where a layer's products have no
-    float32 panels (oneMKL's packing, a GPU)."""
+    tasks cut for ``threads`` threads (``task_panels``; None: Numba's); None where a layer's
+    products have no float32 panels (oneMKL's packing, a GPU)."""
     kinds = ("qkv", "o", "gate_up", "down")
     panel_types = (PanelWeight, QuantPanelWeight)
     if not layers or not all(isinstance(getattr(p, kind), panel_types) for p in packed for kind in kinds):
@@ -85,6 +86,7 @@ def stack(layers, packed, final_norm: np.ndarray | None = None, head: PanelWeigh
         head, final_norm = None, None
     weights = first + ([head] if head is not None else [])
     widths = np.array([_panels(w) * PANEL for w in weights] + [0] * (head is None), np.int64)
+    threads = get_num_threads() if threads is None else threads
     per_task = np.array([task_panels(_panels(w), w.nbytes // _panels(w), threads) for w in weights]
                         + [1] * (head is None), np.int64)
     formats = np.array([_format(w) for w in weights] + [0] * (head is None), np.int64)

@@ -37,7 +37,7 @@ import numpy as np
 from numba import njit, prange, types as nb_types
 from numba.extending import overload
 
-from ..weight_formats import BLOCK_BYTES, GGUF_BLOCK, QuantizedWeight
+from ..weight_formats import BLOCK_BYTES, GGUF_BLOCK, ROUNDS_ACTIVATIONS, QuantizedWeight
 from .borrowed import borrowed
 from .panel_gemm import K_RUN, PANEL, _add_four_rows, _four_rows, _two_rows, padded_rows, panel_rows
 from .quant_a8 import Q4_1_A8, Q8_0_A8, a8_rows, bounce, pack_a8, rounded_size, rounds_x, unpack_a8
@@ -100,7 +100,7 @@ class QuantPanelWeight:
                       if self.fmt == "int8" else None)
             return QuantizedWeight(self.fmt, np.ascontiguousarray(codes), scales)
         nb, size = k_dim // GGUF_BLOCK, BLOCK_BYTES[self.fmt]
-        if self.fmt in ("q4_1_a8", "q8_0_a8"):
+        if self.fmt in ROUNDS_ACTIVATIONS:
             return QuantizedWeight(self.fmt, unpack_a8(self.data, panels, nb, size)[:self.out_features])
         blocks = per_panel.reshape(panels, nb, size * PANEL)                     # (panels, nb, block bytes)
         scales = 2 if self.fmt == "q4_1" else 1                                  # float16 rows: d (and m)
@@ -130,7 +130,7 @@ def pack(w: QuantizedWeight, into: np.ndarray | None = None) -> QuantPanelWeight
             scales = np.zeros(rows, np.float32)                                 # (panels * PANEL,)
             scales[:out_features] = w.scales
             parts.append(scales.reshape(panels, PANEL).view(np.uint8))          # (panels, 4 PANEL)
-    elif w.fmt in ("q4_1_a8", "q8_0_a8"):
+    elif w.fmt in ROUNDS_ACTIVATIONS:
         parts = [pack_a8(data)]                                                 # (panels, panel_bytes)
     else:
         blocks = data.reshape(panels, PANEL, -1, BLOCK_BYTES[w.fmt]).transpose(0, 2, 3, 1)  # (panels, nb, bytes, PANEL)
