@@ -7,7 +7,7 @@ instead of leaving the head_dim loops to LLVM: a key's dot products with the HEA
 of its group are HEADS registers of sums, added across lanes once per key, and p x v keeps
 the HEADS rows' accumulators for 4 x LANES of head_dim in registers across a whole block,
 where the loop above loads and stores them for every key. It asks for the next block's K a
-few lines per key while it scores, and for the next block's V while it multiplies. At 64
+key's row per key while it scores, and for the next block's V likewise while it multiplies. At 64
 decodes of 264 tokens, all 30 layers: 30-32 ms a step against 37-40 (2-core AMD EPYC, Zen 3,
 docs/benchmarks.md). Quantized caches, head_dim that is not a multiple of LANES, and pools it
 cannot address as a flat window (head_dim strided, negative strides, K and V laid out
@@ -170,13 +170,20 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
                         if j + 1 < c1 and not sparse:
                             v_ahead = (block_tables[s, j + 1] - block) * block_stride
                         for kv_head in range(num_kv_heads):
-                            tile = kv_head * head_stride         # the head's tile in a block
+                            base = block * block_stride + kv_head * head_stride   # the head's tile
+                            # what to ask for while the tile's keys are multiplied, a key's row with
+                            # each key: the next block's tile of V, or at the chunk's end the next
+                            # chunk's first tile of K (a tile's 64 lines asked for at once filled the
+                            # core's queue of misses and stalled its multiply-adds: 1.06-1.23x
+                            # slower at 4-8 decodes from memory, docs/weights.md)
+                            ahead_pool, ahead_at = v_flat, -1
                             if qi == 0 and v_ahead != 0:
-                                for line in range(0, block_size * token_stride, 16):
-                                    prefetch(v_flat, 4 * (block * block_stride + tile + v_ahead + line))
+                                ahead_at = base + v_ahead
                             elif qi == 0 and j + 1 == c1 and c1 < last_block:
+                                ahead_pool, ahead_at = k_flat, block_tables[s, c1] * block_stride + kv_head * head_stride
+                            if ahead_at >= 0 and quads_end == 0:       # no quad loop to spread it over
                                 for line in range(0, block_size * token_stride, 16):
-                                    prefetch(k_flat, 4 * (block_tables[s, c1] * block_stride + tile + line))
+                                    prefetch(ahead_pool, 4 * (ahead_at + line))
                             for g0 in range(0, group, heads):
                                 h = kv_head * group + g0
                                 r0 = rq + h
@@ -186,7 +193,6 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
                                 q1, q2 = q0 + head_dim, q0 + 2 * head_dim
                                 p0_at = h * span + o0            # the heads' p for block j
                                 p1_at, p2_at = p0_at + span, p0_at + 2 * span
-                                base = block * block_stride + kv_head * head_stride
                                 for c in range(0, quads_end, quad):
                                     e0 = vload(acc, q0 + c)
                                     e1 = vload(acc, q0 + c + LANES)
@@ -204,6 +210,9 @@ def _vector_attention_body(q, k_flat, v_flat, block_stride, head_stride, token_s
                                         h2 = vload(acc, q2 + c + 2 * LANES)
                                         h3 = vload(acc, q2 + c + 3 * LANES)
                                     for o in range(valid):
+                                        if ahead_at >= 0 and g0 == 0 and c == 0:      # key o's row ahead
+                                            for line in range(0, head_dim, 16):
+                                                prefetch(ahead_pool, 4 * (ahead_at + o * token_stride + line))
                                         # the heads' p first, then one value register at a time:
                                         # 12 sums + 3 p + 1 value = AVX2's 16 registers, none spilled
                                         at = base + o * token_stride + c

@@ -116,11 +116,30 @@ def _block_sums(w, fmt, at, xb, xat):
     return block_dot8_here(izero(), w, at, xb, xat), block_dot8_here(izero(), w, at + 4 * LANES, xb, xat)
 
 
+@njit(inline="always", cache=CACHE)
+def _next_panel_share(w, next_at, step, kb, passes, i, b):
+    """Ask for block b's share of the next panel's lines (at byte ``next_at`` of w, kb blocks of
+    ``step`` bytes) in pass i of ``passes`` over this panel: its kb step bytes are cut evenly over
+    the passes' blocks, so that each line is asked for once. Two to eight rows read a panel in one
+    to four passes (a pair of rows each), the later ones from L1; asked for only ROW_AHEAD bytes
+    on, the memory idled through those, and reading and multiply-adds took turns: 8 rows (two
+    threads, 96 MB of "q4_1_a8" panels from memory, Zen 5) 2.86, 2.93 ms against 2.61, 2.57
+    spread this way, 4 rows 2.05, 2.13 against 1.90, 1.97 (docs/weights.md). A hint: the next
+    panel may be another thread's, or past w's end."""
+    first = (i * kb + b) * step // passes                      # this block's share: bytes [first, end)
+    end = (i * kb + b + 1) * step // passes
+    for line in range((first + 63) // 64, (end + 63) // 64):   # the lines that start in it
+        prefetch(w, next_at + 64 * line)
+
+
 @njit(fastmath=True, inline="always", cache=CACHE)
 def _pair(xb, w, fmt, k_dim, rows, out, n_dim, p, r0, n):
     """Rows r0 .. r0 + n - 1 (n = 1 or 2, and fmt: constants where this is inlined) of the bounce
     buffer xb of ``rows`` rows, times panel p of w, into out (flat, rows of n_dim) at [PANEL p,
-    PANEL (p + 1)). A Q8_0 block's m is -DOT8_OFFSET d (``int8_dot.dot8_offset``; none but VNNI's)."""
+    PANEL (p + 1)). A Q8_0 block's m is -DOT8_OFFSET d (``int8_dot.dot8_offset``; none but VNNI's).
+    Each pass asks for the panel's lines ROW_AHEAD bytes on (from the second pass on, from L1 but
+    for the next panel's first), and with more than two rows for its share of the next panel's
+    (``_next_panel_share``)."""
     kb = k_dim // GGUF_BLOCK
     step = BLOCK_PANEL_BYTES if fmt == Q4_1_A8 else BLOCK8_PANEL_BYTES
     scales = 4 * PANEL if fmt == Q4_1_A8 else 2 * PANEL        # bytes of a block's d (and m)
@@ -132,6 +151,8 @@ def _pair(xb, w, fmt, k_dim, rows, out, n_dim, p, r0, n):
         at = base + b * step
         for line in range(0, step, 64):                         # the lines ROW_AHEAD bytes on
             prefetch(w, at + ROW_AHEAD + line)
+        if rows > 2:                                            # two passes or more
+            _next_panel_share(w, base + kb * step, step, kb, (rows + 1) // 2, r0 // 2, b)
         d_lo, d_hi = vload_f16(w, at), vload_f16(w, at + 2 * LANES)
         if fmt == Q4_1_A8:
             m_lo, m_hi = vload_f16(w, at + 2 * PANEL), vload_f16(w, at + 2 * PANEL + 2 * LANES)
