@@ -29,7 +29,7 @@ from numba import types as nb_types
 from numba.extending import intrinsic, models, register_model
 
 from .panel_gemm import PANEL
-from .simd import LANES, compiled_cpu_features, f32vec
+from .simd import _VECTOR, LANES, compiled_cpu_features, f32vec   # _VECTOR: LLVM's register of LANES float32s
 
 DOT_KINDS = ("vnni512", "bw512", "avx2", "generic")
 
@@ -53,7 +53,6 @@ def dot8_offset(kind: str) -> int:
 DOT = dot_instructions(compiled_cpu_features(), LANES)
 DOT8_OFFSET = dot8_offset(DOT)
 _I32 = ir.VectorType(ir.IntType(32), LANES)
-_F32 = ir.VectorType(ir.FloatType(), LANES)
 
 
 class I32Vec(nb_types.Type):
@@ -213,7 +212,7 @@ def izero(typingctx):
 @intrinsic
 def vfloat(typingctx, acc):
     """acc's int32 sums as float32s (exact up to 2**24)."""
-    return f32vec(acc), lambda context, builder, sig, args: builder.sitofp(args[0], _F32)
+    return f32vec(acc), lambda context, builder, sig, args: builder.sitofp(args[0], _VECTOR)
 
 
 @intrinsic
@@ -223,7 +222,7 @@ def vrint(typingctx, v):
         return None
 
     def codegen(context, builder, sig, args):
-        return builder.call(_declare(builder, f"llvm.rint.v{LANES}f32", _F32, [_F32]), args)
+        return builder.call(_declare(builder, f"llvm.rint.v{LANES}f32", _VECTOR, [_VECTOR]), args)
     return f32vec(v), codegen
 
 
