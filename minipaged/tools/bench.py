@@ -80,7 +80,10 @@ def add_bench_parser(sub, add_engine_flags) -> None:
     p.add_argument("--weight-formats", default=None, metavar="F,F,...",
                    help="quality: how each engine stores its weights: float32, bfloat16, int8, gguf, gguf_a8 "
                         "(default float32; docs/weights.md)")
-    p.add_argument("--num-tokens", type=int, default=None, help="quality: tokens of text scored")
+    p.add_argument("--num-tokens", type=int, default=None,
+                   help="quality: tokens of text scored (all of the text when it has fewer)")
+    p.add_argument("--text-file", default=None, metavar="PATH",
+                   help="quality: score this UTF-8 text instead of Python's own documentation")
     p.add_argument("--window", type=int, default=None, help="quality: tokens per perplexity window")
     p.add_argument("--context-lens", default=None, metavar="N,N,...", help="sparse: context lengths")
     p.add_argument("--budgets", default=None, metavar="N,N,...", help="sparse: token budgets against dense")

@@ -4,16 +4,18 @@ cost in quality.
 For each ``kv_cache_dtype`` asked for (default auto, int8, fp8, fp8_e5m2) and each weight format
 (``--weight-formats``, default float32; bfloat16, int8, gguf and gguf_a8: docs/weights.md), one engine:
 
-- **Perplexity** over real English text that ships with Python: the reference documentation
-  of ``pydoc_data.topics`` (the text ``help()`` shows), topics in sorted order, the first
-  NUM_TOKENS tokens in windows of WINDOW tokens. Each window is one prompt with
+- **Perplexity** over real English text: by default the one that ships with Python, the
+  reference documentation of ``pydoc_data.topics`` (the text ``help()`` shows), topics in sorted
+  order; or any UTF-8 file, ``--text-file PATH``. Its first NUM_TOKENS tokens (all of them when it
+  has fewer) in windows of WINDOW tokens. Each window is one prompt with
   ``prompt_logprobs=0``: the log-probability the model gives each of its tokens after the
   ones before (the first of each window has no context and is not counted).
   ppl = exp(mean negative log-likelihood). The window's own K/V are written to the cache
   and read back by its attention, so the compression is in every prediction.
 - **Golden agreement**: greedy continuations of the golden prompts (``tests/golden``, from an
   independent implementation) against its tokens: how many of the 48 steps agree before the
-  first difference, summed, and the prompts that agree all the way.
+  first difference, summed, and the prompts that agree all the way. Only for the model the
+  golden outputs come from, the default one (another model's row shows "-").
 
 Measured, never asserted in tests (docs/kv_cache_dtype.md has the numbers and the rerun lines).
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from ..engine.backend import release_device_memory
 from ..engine.llm_engine import LLMEngine
+from ..model.fetch import DEFAULT_MODEL, model_dir
 from ..sampling_params import SamplingParams
 
 GOLDEN = Path(__file__).resolve().parents[2] / "tests" / "golden" / "smollm2_135m_instruct.json"
@@ -38,6 +41,29 @@ def reference_text() -> str:
     from pydoc_data.topics import topics  # noqa: PLC0415 (ships with CPython)
 
     return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+def read_text_file(path: str) -> str:
+    """``--text-file``'s text, or a ValueError saying why it cannot be scored."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        raise ValueError(f"--text-file {path}: a directory, not a text file")
+    if not file.is_file():
+        raise ValueError(f"--text-file {path}: no such file")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--text-file {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise ValueError(f"--text-file {path}: cannot be read ({e.strerror})") from None
+    if not text.strip():
+        raise ValueError(f"--text-file {path}: the file holds no text")
+    return text
+
+
+def is_golden_model(engine: LLMEngine) -> bool:
+    """The golden outputs are the default model's: another model's greedy tokens say nothing."""
+    return engine.model_dir.resolve() == model_dir(DEFAULT_MODEL).resolve()
 
 
 # a weight format of --weight-formats -> the engine settings that store the weights so
@@ -67,6 +93,8 @@ def check_quality_args(cfg: dict) -> list[str]:
     for d in dtypes:
         if d not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(f"--kv-cache-dtypes: {d!r} is not one of {', '.join(KV_CACHE_DTYPE_NAMES)}")
+    if cfg.get("text_file") is not None:
+        read_text_file(cfg["text_file"])
     for key in ("num_tokens", "window"):
         if not (isinstance(cfg[key], int) and cfg[key] >= 2):
             raise ValueError(f"--{key.replace('_', '-')} must be an integer >= 2, got {cfg[key]!r}")
@@ -124,16 +152,19 @@ def run_quality(engine_kwargs: dict, cfg: dict) -> dict:
         if taken:
             raise ValueError(f"--weight-formats sets each engine's weights; drop --{taken[0]}")
     golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else None
+    text_file = cfg.get("text_file")
+    text = read_text_file(text_file) if text_file is not None else reference_text()
     rows = {}
-    token_ids = None
+    token_ids = text_tokens = None
     for fmt, dtype in [(f, d) for f in formats for d in dtypes]:
         release_device_memory()
         settings = WEIGHT_FORMAT_SETTINGS[fmt] if formats != ["float32"] else {}
         engine = LLMEngine(**{**engine_kwargs, **settings, "kv_cache_dtype": dtype, "log_stats_interval": 0})
         if token_ids is None:
-            token_ids = engine.tokenizer.encode(reference_text())[: cfg["num_tokens"]]
-            if len(token_ids) < cfg["num_tokens"]:
-                raise ValueError(f"the text has only {len(token_ids)} tokens; lower --num-tokens")
+            all_ids = engine.tokenizer.encode(text)
+            token_ids, text_tokens = all_ids[: cfg["num_tokens"]], len(all_ids)
+            if len(token_ids) < 2:
+                raise ValueError(f"the text makes {len(token_ids)} token(s); perplexity needs at least 2")
         start = time.perf_counter()
         fmt = engine.backend.weight_format     # as stored, whichever flag chose it
         row = {"kv_cache_dtype": dtype, "weight_format": fmt,
@@ -141,7 +172,7 @@ def run_quality(engine_kwargs: dict, cfg: dict) -> dict:
                "num_blocks": engine.cache.num_blocks,
                "bytes_per_block": engine.cache.bytes_per_block,
                **perplexity(engine, token_ids, min(cfg["window"], engine.max_model_len))}
-        if golden is not None:
+        if golden is not None and is_golden_model(engine):
             row.update(golden_agreement(engine, golden))
         row["seconds"] = time.perf_counter() - start
         rows[dtype if len(formats) == 1 else f"{fmt} / {dtype}"] = row
@@ -150,7 +181,8 @@ def run_quality(engine_kwargs: dict, cfg: dict) -> dict:
     if first["kv_cache_dtype"] == "auto":
         for row in rows.values():   # against the first row: the first format's weights, the KV cache as they are
             row["perplexity_vs_auto"] = row["perplexity"] / first["perplexity"] - 1.0
-    return {"text": TEXT_SOURCE, "rows": rows}
+    source = f"{text_file} (--text-file)" if text_file is not None else TEXT_SOURCE
+    return {"text": source, "text_tokens": text_tokens, "rows": rows}
 
 
 def print_quality(report: dict) -> None:
@@ -165,5 +197,6 @@ def print_quality(report: dict) -> None:
         print(f"{dtype:>24} {r['weight_bytes'] / 1e6:>9.1f} {r['num_blocks']:>8} {r['perplexity']:>11.4f} {vs:>8} "
               f"{gold:>13} {same:>10}")
     rows = list(report["rows"].values())
-    print(f"  ({rows[0]['tokens_scored']} tokens scored in {rows[0]['windows']} windows per dtype)"
-          if rows else "")
+    if rows:
+        print(f"  ({rows[0]['tokens_scored']} tokens scored in {rows[0]['windows']} windows per row, "
+              f"of the text's {report['text_tokens']})")

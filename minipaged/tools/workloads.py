@@ -54,10 +54,10 @@ WORKLOADS = {
                  dict(batch_sizes="1,2,4,8,16,32,64", context_len=256, prefill_lens="256,2048", steps=8,
                       prefill_repeats=2)),
     "quality": ("what each KV_CACHE_DTYPES and each WEIGHT_FORMATS costs: perplexity over NUM_TOKENS tokens "
-                "of Python's own documentation (pydoc_data.topics) in windows of WINDOW, and greedy agreement "
-                "with the golden outputs",
+                "of Python's own documentation (pydoc_data.topics), or of TEXT_FILE, in windows of WINDOW, and "
+                "greedy agreement with the golden outputs (the default model's)",
                 dict(kv_cache_dtypes="auto,int8,fp8,fp8_e5m2", weight_formats="float32", num_tokens=8192,
-                     window=1024)),
+                     window=1024, text_file=None)),
     "sparse": ("what block-sparse decode attention costs at each of BUDGETS tokens against dense, at "
                "each of CONTEXT_LENS: passkey retrieval (TRIALS a length), greedy agreement and "
                "teacher-forced log-likelihood of real text through decode steps",

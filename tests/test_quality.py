@@ -1,0 +1,87 @@
+"""``bench quality`` (minipaged/tools/quality.py) on a text the user gives: its perplexity against
+the dense float64 reference's over the same windows, and its bad files refused before loading."""
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minipaged.tools.quality import check_quality_args, run_quality
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Paging maps virtual pages onto physical frames,\n"
+        "and a block table maps a sequence's tokens onto KV blocks.\n") * 3
+
+
+def reference_perplexity(reference, token_ids: list[int], window: int) -> float:
+    """exp(mean NLL) over windows of ``window`` tokens, each scored from scratch in float64."""
+    nll, counted = 0.0, 0
+    for start in range(0, len(token_ids), window):
+        ids = token_ids[start:start + window]
+        if len(ids) < 2:
+            continue
+        logits = reference.logits(ids)                                          # (L, vocab)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))                     # (L, vocab)
+        nll -= sum(logp[i - 1, ids[i]] for i in range(1, len(ids)))
+        counted += len(ids) - 1
+    return math.exp(nll / counted)
+
+
+def quality_cfg(**over) -> dict:
+    return {"kv_cache_dtypes": "auto", "weight_formats": "float32", "num_tokens": 8192, "window": 48,
+            "text_file": None, **over}
+
+
+def test_a_text_file_is_scored_as_the_reference_scores_it(calm_model_dir, tmp_path):
+    """The whole file (shorter than --num-tokens) in windows of 48: the engine's perplexity is the
+    float64 reference's; no golden row for a model that is not the golden outputs' own."""
+    from minipaged.model.config import LlamaConfig
+    from minipaged.model.reference import DenseReference
+    from minipaged.model.tokenizer import Tokenizer
+    from minipaged.model.weights import load_checkpoint
+
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    report = run_quality({"model": str(calm_model_dir), "device": "cpu", "num_blocks": 64},
+                         quality_cfg(text_file=str(path)))
+    row = report["rows"]["auto"]
+    ids = Tokenizer.from_dir(calm_model_dir).encode(TEXT)
+    assert report["text_tokens"] == len(ids) and row["tokens_scored"] == len(ids) - math.ceil(len(ids) / 48)
+    reference = DenseReference(LlamaConfig.from_dir(calm_model_dir), load_checkpoint(calm_model_dir))
+    assert row["perplexity"] == pytest.approx(reference_perplexity(reference, ids, 48), rel=1e-4)
+    assert "golden_steps" not in row and str(path) in report["text"]
+
+
+def test_num_tokens_takes_the_start_of_the_text(calm_model_dir, tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    report = run_quality({"model": str(calm_model_dir), "device": "cpu", "num_blocks": 64},
+                         quality_cfg(text_file=str(path), num_tokens=30, window=16))
+    assert report["rows"]["auto"]["tokens_scored"] == 30 - 2 and report["rows"]["auto"]["windows"] == 2
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"\xff\xfe not text", "not UTF-8 text"),
+    (b"  \n\t", "the file holds no text"),
+    (None, "no such file"),
+])
+def test_a_bad_text_file_is_refused_naming_the_problem(tmp_path, content, message):
+    path = tmp_path / "text.txt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        check_quality_args(quality_cfg(text_file=str(path)))
+    with pytest.raises(ValueError, match="a directory"):
+        check_quality_args(quality_cfg(text_file=str(tmp_path)))
+
+
+def test_the_cli_refuses_a_bad_text_file_before_loading(tiny_model_dir, tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\xe9".encode("latin-1"))
+    for args, message in ((["quality", "--text-file", str(path)], "not UTF-8 text"),
+                          (["throughput", "--text-file", str(path)], "--text-file does not apply to the throughput")):
+        result = subprocess.run([sys.executable, "-m", "minipaged", "bench", *args, "--model", str(tiny_model_dir),
+                                 "--device", "cpu"], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
