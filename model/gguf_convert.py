@@ -9,6 +9,7 @@ tokenizer as metadata arrays. We dequantize, rename, un-permute, and rebuild a
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,8 @@ from tqdm import tqdm
 
 from ..kernels.weight_formats import BLOCK_BYTES, QuantizedWeight
 from .errors import ModelFormatError
+
+logger = logging.getLogger("minipaged")
 
 # GGUF tensor name (per layer, after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.").
 LAYER_TENSORS = {
@@ -96,11 +99,14 @@ def read_gguf_weights(gguf_path: str | Path) -> dict:
     heads = read_field(reader, "llama.attention.head_count")
     kv_heads = read_field(reader, "llama.attention.head_count_kv", heads)
     out = {}
+    widened = []                                              # float16 matrices, kept in float32
     for t in reader.tensors:
         kind = t.tensor_type.name.lower()
         shape = tuple(int(n) for n in reversed(t.shape))      # (out, in) or (features,)
         if kind in ("f32", "f16"):                            # norms (and any float matrix): float32
             array = np.asarray(t.data).astype(np.float32).reshape(shape)        # (out, in) or (features,)
+            if kind == "f16" and len(shape) == 2:
+                widened.append(t.name)
         elif kind in BLOCK_BYTES:
             array = np.asarray(t.data).reshape(shape[0], -1, BLOCK_BYTES[kind])   # (out, in / 32, bytes)
         else:
@@ -110,6 +116,10 @@ def read_gguf_weights(gguf_path: str | Path) -> dict:
             array = unpermute_rows(array.reshape(shape[0], -1), heads if ".attn_q." in t.name else kv_heads)
             array = array.reshape(shape[0], -1, BLOCK_BYTES[kind]) if kind in BLOCK_BYTES else array
         out[hf_tensor_name(t.name)] = QuantizedWeight(kind, array) if kind in BLOCK_BYTES else array
+    if widened:   # no kernel multiplies float16 weights on the CPU: they take float32's bytes
+        logger.warning("%s: %d F16 matrices (%s, ...) are widened to float32, 4 bytes a weight; for fewer bytes "
+                       "use a GGUF of Q4_1 / Q8_0 blocks, or the safetensors with dtype='bfloat16'",
+                       Path(gguf_path).name, len(widened), widened[0])
     return out
 
 

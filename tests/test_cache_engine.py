@@ -3,10 +3,13 @@ figures, and the benchmark dropping each engine before it builds the next (on a 
 engine's pool would leave the next one no memory)."""
 
 import gc
+import json
 import os
 import subprocess
 import sys
 import weakref
+
+import pytest
 
 from minipaged.engine.cache_engine import kv_cache_blocks
 from minipaged.engine.llm_engine import LLMEngine
@@ -106,6 +109,7 @@ def test_bench_runs_the_peer_before_any_engine_exists(tiny_model_dir, monkeypatc
         return LLMEngine(**kwargs)
 
     monkeypatch.setattr(bench, "run_peer", fake_peer)
+    monkeypatch.setattr(bench, "check_peer_installed", lambda peer: None)   # the fake needs no torch
     monkeypatch.setattr(bench, "LLMEngine", engine)
     assert run_small_bench(tiny_model_dir, "throughput", "--peer", "hf") == 0
     assert seen["engines_alive"] == 0 and len(built) == 1
@@ -139,3 +143,23 @@ def test_the_peer_process_does_not_see_this_repository_as_its_path(monkeypatch):
     assert got["kernels"] is None or not got["kernels"].startswith(checkout + os.sep)   # not ours
     assert not os.path.exists(os.path.join(calls["cwd"], "kernels", "__init__.py"))
     assert calls["cmd"][calls["cmd"].index("--model-dir") + 1] == os.path.abspath("relative/model")
+
+
+def test_the_llamacpp_peer_names_the_gguf_file_it_needs(tiny_model_dir):
+    """A model directory without a GGUF file: the error says the peer wants it (no quantization
+    was asked for), before any process starts."""
+    from minipaged.model.errors import ModelFormatError
+    from minipaged.tools import bench_peers
+
+    with pytest.raises(ModelFormatError, match="the llamacpp peer runs llama.cpp on the model's GGUF file, and .* "
+                                               "holds no \\*.gguf file"):
+        bench_peers.run_peer("llamacpp", str(tiny_model_dir), [[1, 2]], 4)
+
+
+def test_weight_mb_under_tensor_parallelism_says_whose_it_is(tiny_model_dir, tmp_path):
+    """-tp 2: the figure is the first worker's shard, and the report says so; one worker: no note."""
+    for extra, scope in ((), None), (("-tp", "2"), "rank 0 of 2 workers (tp 2 x pp 1)"):
+        out = tmp_path / f"t{len(extra)}.json"
+        assert run_small_bench(tiny_model_dir, "throughput", *extra, "--out", str(out)) == 0
+        result = json.loads(out.read_text())["result"]
+        assert result["weight_mb"] > 0 and result.get("weight_mb_of") == scope

@@ -131,6 +131,8 @@ def test_chat_with_smollm2_answers():
     (["generate", "hi", "-tp", "3"], "tensor_parallel_size=3 does not divide the model's 4 query heads"),
     (["generate", "hi", "-pp", "0"], "pipeline_parallel_size must be a positive integer"),
     (["bench", "roofline", "-pp", "2"], "the roofline workload reaches into one worker's model"),
+    (["bench", "throughput", "--quantization", "gguf", "--cpu-gemm", "mkl"], "cpu_gemm='mkl' multiplies float32 weights"),
+    (["bench", "quality", "--dtype", "bfloat16", "--cpu-gemm", "mkl"], "the CPU's bfloat16 weights are multiplied"),
     (["bench", "parallel", "-pp", "2"], "the parallel workload compares the splits itself"),
 ])
 def test_flags_that_cannot_work_are_refused_before_loading(tiny_model_dir, args, message):
@@ -175,3 +177,18 @@ def test_kernels_flag_picks_the_tier(tiny_model_dir):
     assert json.loads(result.stdout)[0]["outputs"][0]["token_ids"] == want
     bad = run_cli("generate", "abc", "--model", str(tiny_model_dir), "--kernels", "turbo")
     assert bad.returncode == 2 and "--kernels" in bad.stderr and "turbo" in bad.stderr
+
+
+@pytest.mark.parametrize("peer", ["hf", "llamacpp"])
+def test_a_peer_that_is_not_installed_is_named_before_loading(tiny_model_dir, peer):
+    """``bench --peer`` without the peers extra: one line naming the package and the extra."""
+    import importlib.util  # noqa: PLC0415
+
+    from minipaged.tools.bench_peers import PEER_MODULES  # noqa: PLC0415
+
+    missing = [m for m in PEER_MODULES[peer] if importlib.util.find_spec(m) is None]
+    if not missing:
+        pytest.skip(f"the {peer} peer is installed here")
+    result = run_cli("bench", "single-stream", "--peer", peer, "--model", str(tiny_model_dir), "--device", "cpu")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"--peer {peer} needs {missing[0]}" in result.stderr and "pip install -e '.[peers]'" in result.stderr

@@ -6,6 +6,7 @@ gguf.GGUFWriter, so everything but the `slow` tests runs offline in well under a
 
 import hashlib
 import json
+import logging
 import subprocess
 import zipfile
 
@@ -350,3 +351,30 @@ def test_real_smollm2_conversion():
         names = set(f.keys())
         assert f.get_slice("model.layers.0.self_attn.k_proj.weight").get_shape() == [192, 576]
     assert len(names) == 2 + 30 * 9 and "lm_head.weight" not in names
+
+
+def test_f16_matrices_are_widened_with_a_warning(tmp_path, caplog):
+    """An F16 matrix has no kernel here: read as float32 (its exact values), and the user told it
+    saves no bytes; an F32 norm passes without a word."""
+    from minipaged.model.gguf_convert import read_gguf_weights
+
+    rng = np.random.default_rng(0)
+    down = rng.standard_normal((HIDDEN, FFN)).astype(np.float16)          # (out, in)
+    w = GGUFWriter(str(tmp_path / "f16.gguf"), "llama")
+    w.add_head_count(N_HEADS)
+    w.add_head_count_kv(N_KV)
+    w.add_tensor("blk.0.ffn_down.weight", down)
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    logger = logging.getLogger("minipaged")       # it does not propagate: listen on it directly
+    logger.addHandler(caplog.handler)
+    try:
+        weights = read_gguf_weights(tmp_path / "f16.gguf")
+    finally:
+        logger.removeHandler(caplog.handler)
+    got = weights["model.layers.0.mlp.down_proj.weight"]
+    assert got.dtype == np.float32 and np.array_equal(got, down.astype(np.float32))
+    assert "1 F16 matrices (blk.0.ffn_down.weight, ...) are widened to float32" in caplog.text

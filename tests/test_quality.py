@@ -85,3 +85,21 @@ def test_the_cli_refuses_a_bad_text_file_before_loading(tiny_model_dir, tmp_path
         result = subprocess.run([sys.executable, "-m", "minipaged", "bench", *args, "--model", str(tiny_model_dir),
                                  "--device", "cpu"], capture_output=True, text=True, timeout=120)
         assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_window_longer_than_the_context_is_cut_to_the_longest_prompt(calm_model_dir, tmp_path):
+    """--window at max_model_len: each window is a prompt, which must leave room for one token."""
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    report = run_quality({"model": str(calm_model_dir), "device": "cpu", "num_blocks": 64, "max_model_len": 32},
+                         quality_cfg(text_file=str(path), num_tokens=62, window=32))
+    row = report["rows"]["auto"]
+    assert row["window"] == 31 and row["windows"] == 2 and row["tokens_scored"] == 62 - 2
+
+
+def test_one_weight_format_other_than_float32_is_named_in_the_row(calm_model_dir, tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    report = run_quality({"model": str(calm_model_dir), "device": "cpu", "num_blocks": 64},
+                         quality_cfg(text_file=str(path), num_tokens=40, window=20, weight_formats="int8"))
+    assert list(report["rows"]) == ["int8 / auto"] and report["rows"]["int8 / auto"]["weight_format"] == "int8"

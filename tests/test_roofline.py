@@ -234,6 +234,7 @@ def test_bench_sets_the_run_and_the_peer_against_the_floor(tiny_model_dir, tmp_p
     monkeypatch.setattr(bench, "read_bandwidth", lambda: next(bandwidths))
     monkeypatch.setattr(bench, "integer_peak", lambda: 5e9)
     monkeypatch.setattr(bench, "run_peer", lambda *a, **k: {"generation_tok_s": 2.0, "elapsed_s": 4.0})
+    monkeypatch.setattr(bench, "check_peer_installed", lambda peer: None)   # the fake needs no torch
     out = tmp_path / "t.json"
     args = build_parser().parse_args([
         "bench", "throughput", "--model", str(tiny_model_dir), "--device", "cpu", "--swap-space", "0",

@@ -37,7 +37,7 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weight and KV cache dtype ('auto': float32 on the CPU; on a GPU bfloat16 for a bf16 "
                         "checkpoint, else float16); on the CPU bfloat16 stores the weights in half the bytes, "
-                        "computing in float32")
+                        "computing in float32 (the KV cache stays float32 there)")
     g.add_argument("--quantization", default=None, choices=["int8", "gguf", "gguf_a8"],
                    help="CPU weights in fewer bytes: int8 (a scale per output row), or gguf (the model's GGUF "
                         "file's own Q4_1 / Q8_0 blocks); activations stay float32, but gguf_a8's products "
@@ -77,7 +77,7 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
     g.add_argument("--contiguous-reserve", default="max_model_len", choices=["max_model_len", "max_tokens"],
                    help="what the contiguous baseline reserves: max_model_len slots, or prompt + max_tokens")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                   help="how KV blocks are stored: auto (the model's dtype), int8 (a scale per token and "
+                   help="how KV blocks are stored: auto (the compute dtype: float32 on the CPU), int8 (a scale per token and "
                         "head), fp8 = fp8_e4m3 or fp8_e5m2 (a scale per layer); one byte a value")
     g.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=False,
                    help="fp8 KV cache: per-layer K and V scales from the first step's values "

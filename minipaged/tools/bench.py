@@ -24,7 +24,7 @@ from ..engine.metrics import Metrics
 from ..engine.warm_up import warm_up as warm_up_passes
 from ..model.config import LlamaConfig
 from ..model.fetch import resolve_model
-from .bench_peers import run_peer
+from .bench_peers import check_peer_installed, run_peer
 from .bench_serve import bench_serve
 from .measure import run_workload, steps_by_path
 from .report import memory_figures, plot_memory, print_result, print_roofline, print_table
@@ -111,6 +111,8 @@ def check_bench_args(args: argparse.Namespace, defaults: dict) -> None:
     if args.peer and args.workload not in PEER_WORKLOADS:
         raise ValueError(f"--peer runs one padded greedy batch, which fits only the "
                          f"{', '.join(PEER_WORKLOADS)} workloads, not {args.workload}")
+    if args.peer:
+        check_peer_installed(args.peer)
     if args.workload == "roofline":
         check_roofline_args({k: getattr(args, k) if getattr(args, k) is not None else v
                              for k, v in defaults.items()})

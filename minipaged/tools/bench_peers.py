@@ -26,6 +26,18 @@ import time
 from ..boot import THREAD_ENV
 
 PEER_CWD = tempfile.gettempdir()   # where the peer's process starts (see run_peer)
+PEER_MODULES = {"hf": ("torch", "transformers"), "llamacpp": ("llama_cpp",)}   # what each peer imports
+
+
+def check_peer_installed(peer: str) -> None:
+    """A ValueError naming the missing package and the extra that installs it, before any model loads."""
+    import importlib.util  # noqa: PLC0415
+
+    missing = [m for m in PEER_MODULES[peer] if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"--peer {peer} needs {', '.join(missing)}, which is not installed: "
+                         "pip install -e '.[peers]' (llama-cpp-python is built from source, which takes a "
+                         "while: docs/weights.md, 'llama.cpp as a peer')")
 
 
 def run_peer(peer: str, model_dir: str, prompts: list[list[int]], output_len: int,
@@ -36,7 +48,7 @@ def run_peer(peer: str, model_dir: str, prompts: list[list[int]], output_len: in
     if peer == "llamacpp":   # its GGUF file: found (or, for a registry model, fetched) here
         from ..model.weights import gguf_path_of  # noqa: PLC0415
 
-        model_dir = str(gguf_path_of(model_dir))
+        model_dir = str(gguf_path_of(model_dir, reader="the llamacpp peer runs llama.cpp on the model's GGUF file"))
     cmd = [sys.executable, "-m", "minipaged.tools.bench_peers", peer, "--model-dir", os.path.abspath(model_dir),
            "--output-len", str(output_len), "--threads", str(numba.get_num_threads()),
            "--device", device, "--dtype", dtype]
@@ -49,8 +61,8 @@ def run_peer(peer: str, model_dir: str, prompts: list[list[int]], output_len: in
     # package ("cannot import name 'CUDAProperties' from 'kernels'").
     done = subprocess.run(cmd, input=json.dumps(prompts), capture_output=True, text=True, env=env,
                           cwd=PEER_CWD)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {peer} peer failed (is the 'peers' extra installed?):\n{done.stderr[-2000:]}")
+    if done.returncode != 0:   # its own last lines say why (a ValueError: one error line, no traceback of ours)
+        raise ValueError(f"the {peer} peer failed in its own process; its last output:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -106,8 +106,16 @@ def run_workload(engine, requests: list[BenchRequest], progress: bool = True) ->
         "kernels": engine.backend.kernels,          # the tier that ran (kernels/ops.py)
         "weight_format": engine.backend.weight_format,   # how the weights are stored (docs/weights.md)
         "weight_mb": engine.model.nbytes / 1e6 if engine.model is not None else None,
+        **weight_scope(engine),
         **resident_memory(),
     }
+
+
+def weight_scope(engine) -> dict:
+    """Under tensor or pipeline parallelism ``weight_mb`` is the first worker's shard: say so."""
+    tp = engine.parallel_config.tensor_parallel_size
+    pp = engine.parallel_config.pipeline_parallel_size
+    return {"weight_mb_of": f"rank 0 of {tp * pp} workers (tp {tp} x pp {pp})"} if tp * pp > 1 else {}
 
 
 def resident_memory() -> dict:

@@ -118,7 +118,8 @@ def perplexity(engine: LLMEngine, token_ids: list[int], window: int) -> dict:
             for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
                 nll -= entry[out.prompt_token_ids[pos]]
                 counted += 1
-    return {"perplexity": math.exp(nll / counted), "tokens_scored": counted, "windows": len(windows)}
+    return {"perplexity": math.exp(nll / counted), "tokens_scored": counted, "windows": len(windows),
+            "window": window}
 
 
 def golden_agreement(engine: LLMEngine, golden: dict) -> dict:
@@ -171,11 +172,12 @@ def run_quality(engine_kwargs: dict, cfg: dict) -> dict:
                "weight_bytes": engine.model.nbytes if engine.model is not None else 0,
                "num_blocks": engine.cache.num_blocks,
                "bytes_per_block": engine.cache.bytes_per_block,
-               **perplexity(engine, token_ids, min(cfg["window"], engine.max_model_len))}
+               # a window is a prompt, and a prompt leaves room for the one token it generates
+               **perplexity(engine, token_ids, min(cfg["window"], engine.max_model_len - 1))}
         if golden is not None and is_golden_model(engine):
             row.update(golden_agreement(engine, golden))
         row["seconds"] = time.perf_counter() - start
-        rows[dtype if len(formats) == 1 else f"{fmt} / {dtype}"] = row
+        rows[dtype if len(formats) == 1 and fmt == "float32" else f"{fmt} / {dtype}"] = row
         engine = None
     first = next(iter(rows.values()))
     if first["kv_cache_dtype"] == "auto":
@@ -198,5 +200,10 @@ def print_quality(report: dict) -> None:
               f"{gold:>13} {same:>10}")
     rows = list(report["rows"].values())
     if rows:
-        print(f"  ({rows[0]['tokens_scored']} tokens scored in {rows[0]['windows']} windows per row, "
-              f"of the text's {report['text_tokens']})")
+        r = rows[0]
+        print(f"  ({_count(r['tokens_scored'], 'token')} scored in {_count(r['windows'], 'window')} of "
+              f"{r['window']} per row, of the text's {report['text_tokens']})")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
