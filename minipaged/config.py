@@ -43,7 +43,7 @@ class CacheConfig:
     swap_space: float = 4.0              # GiB of CPU memory for blocks swapped out (vLLM's default)
     watermark: float = 0.01              # fraction of the pool kept free when admitting
     gpu_memory_utilization: float = 0.9  # GPU: share of device memory for weights + activations + KV
-    kv_cache_dtype: str = "auto"         # auto (the model's dtype), int8, fp8 (= fp8_e4m3), fp8_e5m2
+    kv_cache_dtype: str = "auto"         # auto (the compute dtype), int8, fp8 (= fp8_e4m3), fp8_e5m2
     calculate_kv_scales: bool = False    # fp8: per-layer scales from the first step's K/V, not 1.0
     sparse_attention_budget: int | None = None   # tokens a decoding head attends to (Quest); None: dense
 
@@ -153,11 +153,6 @@ class EngineConfig:
                  "(use kernels='fast', or leave cpu_gemm at 'auto')")
         _require(self.quantization in QUANTIZATIONS,
                  f"quantization must be one of {', '.join(str(q) for q in QUANTIZATIONS)}, got {self.quantization!r}")
-        _require(not (self.cpu_gemm == "mkl" and (self.quantization is not None or self.dtype == "bfloat16")
-                      and self.device != "cuda"),
-                 f"cpu_gemm='mkl' multiplies float32 weights; the CPU's "
-                 f"{self.quantization or 'bfloat16'} weights are multiplied by minipaged's own kernels "
-                 "(leave cpu_gemm at 'auto', or give 'numba')")
         _require(self.quantization is None or self.dtype in ("auto", "float32"),
                  f"dtype={self.dtype!r} and quantization={self.quantization!r} both choose how the weights are "
                  "stored; give one of them")

@@ -193,7 +193,7 @@ def gguf_file(model_path: str | Path, name: str | None = None, progress: bool = 
         return found[0]
     if len(found) > 1:
         raise ModelFormatError(f"{path} holds {len(found)} GGUF files ({', '.join(f.name for f in found)}); "
-                               f"{reader}, one: leave one there")
+                               f"{reader}: leave only one there")
     if name not in KNOWN_MODELS:
         raise ModelFormatError(f"{reader}, and {path} holds no *.gguf file: copy the model's GGUF file "
                                "into the directory")

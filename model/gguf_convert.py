@@ -117,9 +117,10 @@ def read_gguf_weights(gguf_path: str | Path) -> dict:
             array = array.reshape(shape[0], -1, BLOCK_BYTES[kind]) if kind in BLOCK_BYTES else array
         out[hf_tensor_name(t.name)] = QuantizedWeight(kind, array) if kind in BLOCK_BYTES else array
     if widened:   # no kernel multiplies float16 weights on the CPU: they take float32's bytes
-        logger.warning("%s: %d F16 matrices (%s, ...) are widened to float32, 4 bytes a weight; for fewer bytes "
-                       "use a GGUF of Q4_1 / Q8_0 blocks, or the safetensors with dtype='bfloat16'",
-                       Path(gguf_path).name, len(widened), widened[0])
+        logger.warning("%s: %d F16 %s widened to float32 (%s%s), 4 bytes a weight; for fewer bytes use a "
+                       "GGUF of Q4_1 / Q8_0 blocks, or the safetensors with dtype='bfloat16'",
+                       Path(gguf_path).name, len(widened), "matrix is" if len(widened) == 1 else "matrices are",
+                       widened[0], "" if len(widened) == 1 else ", ...")
     return out
 
 

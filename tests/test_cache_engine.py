@@ -163,3 +163,18 @@ def test_weight_mb_under_tensor_parallelism_says_whose_it_is(tiny_model_dir, tmp
         assert run_small_bench(tiny_model_dir, "throughput", *extra, "--out", str(out)) == 0
         result = json.loads(out.read_text())["result"]
         assert result["weight_mb"] > 0 and result.get("weight_mb_of") == scope
+        if scope is None:
+            whole = result["weight_mb"]
+    assert result["weight_mb"] < whole       # the shard: half the heads and MLP columns
+
+
+def test_a_peer_that_fails_in_its_process_is_one_error_with_its_last_words(tiny_model_dir, monkeypatch):
+    from minipaged.tools import bench_peers
+
+    def failing_run(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nImportError: libllama.so: no such file")
+
+    monkeypatch.setattr(bench_peers.subprocess, "run", failing_run)
+    with pytest.raises(ValueError, match="the hf peer failed in its own process; its last output:\n"
+                                         "Traceback ...\nImportError: libllama.so"):
+        bench_peers.run_peer("hf", str(tiny_model_dir), [[1, 2]], 4)

@@ -131,8 +131,11 @@ def test_chat_with_smollm2_answers():
     (["generate", "hi", "-tp", "3"], "tensor_parallel_size=3 does not divide the model's 4 query heads"),
     (["generate", "hi", "-pp", "0"], "pipeline_parallel_size must be a positive integer"),
     (["bench", "roofline", "-pp", "2"], "the roofline workload reaches into one worker's model"),
-    (["bench", "throughput", "--quantization", "gguf", "--cpu-gemm", "mkl"], "cpu_gemm='mkl' multiplies float32 weights"),
+    (["bench", "throughput", "--quantization", "gguf", "--cpu-gemm", "mkl"],
+     "cpu_gemm='mkl' multiplies float32 weights"),
     (["bench", "quality", "--dtype", "bfloat16", "--cpu-gemm", "mkl"], "the CPU's bfloat16 weights are multiplied"),
+    (["bench", "quality", "--weight-formats", "float32,int8", "--cpu-gemm", "mkl"],
+     "--cpu-gemm mkl multiplies float32 weights only; --weight-formats float32,int8"),
     (["bench", "parallel", "-pp", "2"], "the parallel workload compares the splits itself"),
 ])
 def test_flags_that_cannot_work_are_refused_before_loading(tiny_model_dir, args, message):
@@ -192,3 +195,15 @@ def test_a_peer_that_is_not_installed_is_named_before_loading(tiny_model_dir, pe
     result = run_cli("bench", "single-stream", "--peer", peer, "--model", str(tiny_model_dir), "--device", "cpu")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert f"--peer {peer} needs {missing[0]}" in result.stderr and "pip install -e '.[peers]'" in result.stderr
+
+
+def test_a_missing_peer_package_is_named_whatever_is_installed_here():
+    """The check itself, on packages that exist nowhere: named, in one sentence, with the extra."""
+    from minipaged.tools.bench_peers import check_peer_installed  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=r"--peer hf needs no_such_pkg_a, no_such_pkg_b, which are not installed: "
+                                         r"pip install -e '\.\[peers\]'"):
+        check_peer_installed("hf", {"hf": ("numpy", "no_such_pkg_a", "no_such_pkg_b")})
+    with pytest.raises(ValueError, match="needs no_such_pkg, which is not installed"):
+        check_peer_installed("llamacpp", {"llamacpp": ("no_such_pkg",)})
+    check_peer_installed("hf", {"hf": ("numpy",)})          # all there: no word

@@ -377,4 +377,4 @@ def test_f16_matrices_are_widened_with_a_warning(tmp_path, caplog):
         logger.removeHandler(caplog.handler)
     got = weights["model.layers.0.mlp.down_proj.weight"]
     assert got.dtype == np.float32 and np.array_equal(got, down.astype(np.float32))
-    assert "1 F16 matrices (blk.0.ffn_down.weight, ...) are widened to float32" in caplog.text
+    assert "f16.gguf: 1 F16 matrix is widened to float32 (blk.0.ffn_down.weight), 4 bytes a weight" in caplog.text

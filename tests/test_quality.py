@@ -103,3 +103,47 @@ def test_one_weight_format_other_than_float32_is_named_in_the_row(calm_model_dir
     report = run_quality({"model": str(calm_model_dir), "device": "cpu", "num_blocks": 64},
                          quality_cfg(text_file=str(path), num_tokens=40, window=20, weight_formats="int8"))
     assert list(report["rows"]) == ["int8 / auto"] and report["rows"]["int8 / auto"]["weight_format"] == "int8"
+
+
+def test_the_golden_model_is_known_by_its_fetch_marker_or_its_place(tmp_path, monkeypatch):
+    """The registry's directory (its marker names the default model), reached through a symlink or
+    copied elsewhere, gets the golden columns; another model's does not."""
+    from minipaged.model.fetch import COMPLETE_MARKER, DEFAULT_MODEL, model_dir
+    from minipaged.tools.quality import is_golden_model
+
+    monkeypatch.setenv("MINIPAGED_HOME", str(tmp_path / "home"))
+    fetched = model_dir(DEFAULT_MODEL)
+    fetched.mkdir(parents=True)
+    (fetched / COMPLETE_MARKER).write_text('{"name": "%s"}\n' % DEFAULT_MODEL)
+    (tmp_path / "link").symlink_to(fetched)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / COMPLETE_MARKER).write_text((fetched / COMPLETE_MARKER).read_text())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / COMPLETE_MARKER).write_text('{"name": "another-model"}\n')
+    assert is_golden_model(fetched) and is_golden_model(tmp_path / "link") and is_golden_model(copy)
+    assert not is_golden_model(other) and not is_golden_model(tmp_path)   # no marker, another place
+    (fetched / COMPLETE_MARKER).unlink()
+    assert is_golden_model(tmp_path / "link")                              # no marker, the same place
+
+
+def test_a_context_too_short_for_a_window_is_refused(calm_model_dir, tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    with pytest.raises(ValueError, match="--max-model-len 2 leaves a window of 1 prompt token"):
+        run_quality({"model": str(calm_model_dir), "device": "cpu", "num_blocks": 64, "max_model_len": 2},
+                    quality_cfg(text_file=str(path), num_tokens=30, window=16))
+
+
+def test_a_text_file_that_is_not_a_regular_file_or_carries_a_bom(tmp_path):
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        check_quality_args(quality_cfg(text_file=str(fifo)))
+    from minipaged.tools.quality import read_text_file
+
+    (tmp_path / "bom.txt").write_bytes("\ufeffHello".encode("utf-8"))
+    assert read_text_file(str(tmp_path / "bom.txt")) == "Hello"

@@ -181,6 +181,9 @@ def select_backend(device: str, dtype: str, cpu_gemm: str = "auto", linear_paths
 
     # compact weights are multiplied by their own panels (decodes) or widened for numpy's BLAS
     # (prefills): oneMKL's packed float32 copies, and timing it against ours, have no part there
+    if weight_format != "float32" and cpu_gemm == "mkl":
+        raise ValueError(f"cpu_gemm='mkl' multiplies float32 weights; the CPU's {weight_format} weights are "
+                         "multiplied by minipaged's own kernels (leave cpu_gemm at 'auto', or give 'numba')")
     gemm = load_packed_gemm(cpu_gemm, get_num_threads()) if weight_format == "float32" else None
     if weight_format != "float32":
         linear_paths = LinearPaths.every("numba")

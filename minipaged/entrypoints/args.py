@@ -77,8 +77,8 @@ def add_engine_flags(p: argparse.ArgumentParser, log_stats_interval: float = 5.0
     g.add_argument("--contiguous-reserve", default="max_model_len", choices=["max_model_len", "max_tokens"],
                    help="what the contiguous baseline reserves: max_model_len slots, or prompt + max_tokens")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                   help="how KV blocks are stored: auto (the compute dtype: float32 on the CPU), int8 (a scale per token and "
-                        "head), fp8 = fp8_e4m3 or fp8_e5m2 (a scale per layer); one byte a value")
+                   help="how KV blocks are stored: auto (the compute dtype: float32 on the CPU), int8 (a "
+                        "scale per token and head), fp8 = fp8_e4m3 or fp8_e5m2 (a scale per layer); one byte a value")
     g.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=False,
                    help="fp8 KV cache: per-layer K and V scales from the first step's values "
                         "(max / 200 and max / 100, as vLLM) instead of 1.0")

@@ -29,13 +29,15 @@ PEER_CWD = tempfile.gettempdir()   # where the peer's process starts (see run_pe
 PEER_MODULES = {"hf": ("torch", "transformers"), "llamacpp": ("llama_cpp",)}   # what each peer imports
 
 
-def check_peer_installed(peer: str) -> None:
-    """A ValueError naming the missing package and the extra that installs it, before any model loads."""
+def check_peer_installed(peer: str, modules: dict[str, tuple[str, ...]] = PEER_MODULES) -> None:
+    """A ValueError naming the missing packages (``modules[peer]``, those the peer imports) and the
+    extra that installs them, before any model loads."""
     import importlib.util  # noqa: PLC0415
 
-    missing = [m for m in PEER_MODULES[peer] if importlib.util.find_spec(m) is None]
+    missing = [m for m in modules[peer] if importlib.util.find_spec(m) is None]
     if missing:
-        raise ValueError(f"--peer {peer} needs {', '.join(missing)}, which is not installed: "
+        raise ValueError(f"--peer {peer} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                         "not installed: "
                          "pip install -e '.[peers]' (llama-cpp-python is built from source, which takes a "
                          "while: docs/weights.md, 'llama.cpp as a peer')")
 

@@ -112,10 +112,12 @@ def run_workload(engine, requests: list[BenchRequest], progress: bool = True) ->
 
 
 def weight_scope(engine) -> dict:
-    """Under tensor or pipeline parallelism ``weight_mb`` is the first worker's shard: say so."""
+    """Under tensor or pipeline parallelism ``weight_mb`` is the first worker's shard: say so
+    (with Ray's workers, no model lives here and there is no figure)."""
     tp = engine.parallel_config.tensor_parallel_size
     pp = engine.parallel_config.pipeline_parallel_size
-    return {"weight_mb_of": f"rank 0 of {tp * pp} workers (tp {tp} x pp {pp})"} if tp * pp > 1 else {}
+    split = tp * pp > 1 and engine.model is not None
+    return {"weight_mb_of": f"rank 0 of {tp * pp} workers (tp {tp} x pp {pp})"} if split else {}
 
 
 def resident_memory() -> dict:

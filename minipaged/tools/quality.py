@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..engine.backend import release_device_memory
 from ..engine.llm_engine import LLMEngine
-from ..model.fetch import DEFAULT_MODEL, model_dir
+from ..model.fetch import COMPLETE_MARKER, DEFAULT_MODEL, model_dir
 from ..sampling_params import SamplingParams
 
 GOLDEN = Path(__file__).resolve().parents[2] / "tests" / "golden" / "smollm2_135m_instruct.json"
@@ -49,9 +49,9 @@ def read_text_file(path: str) -> str:
     if file.is_dir():
         raise ValueError(f"--text-file {path}: a directory, not a text file")
     if not file.is_file():
-        raise ValueError(f"--text-file {path}: no such file")
+        raise ValueError(f"--text-file {path}: " + ("not a regular file" if file.exists() else "no such file"))
     try:
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")      # a byte-order mark is not text
     except UnicodeDecodeError as e:
         raise ValueError(f"--text-file {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     except OSError as e:
@@ -61,9 +61,13 @@ def read_text_file(path: str) -> str:
     return text
 
 
-def is_golden_model(engine: LLMEngine) -> bool:
-    """The golden outputs are the default model's: another model's greedy tokens say nothing."""
-    return engine.model_dir.resolve() == model_dir(DEFAULT_MODEL).resolve()
+def is_golden_model(directory: Path) -> bool:
+    """The golden outputs are the default model's: another model's greedy tokens say nothing. A
+    directory the registry's fetch made says whose it is (its marker); any other, where it is."""
+    try:
+        return json.loads((directory / COMPLETE_MARKER).read_text()).get("name") == DEFAULT_MODEL
+    except (OSError, ValueError, AttributeError):
+        return directory.resolve() == model_dir(DEFAULT_MODEL).resolve()
 
 
 # a weight format of --weight-formats -> the engine settings that store the weights so
@@ -110,6 +114,8 @@ def perplexity(engine: LLMEngine, token_ids: list[int], window: int) -> dict:
     windows = [w for w in windows if len(w) >= 2]
     for i, w in enumerate(windows):
         engine.add_request(f"ppl-{i}", {"prompt_token_ids": w}, params)
+    if not windows:
+        raise ValueError(f"no window of {window} tokens holds two tokens to score")
     nll, counted = 0.0, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -152,6 +158,9 @@ def run_quality(engine_kwargs: dict, cfg: dict) -> dict:
         taken = [k for k in ("dtype", "quantization") if engine_kwargs.get(k) not in (None, "auto")]
         if taken:
             raise ValueError(f"--weight-formats sets each engine's weights; drop --{taken[0]}")
+    if engine_kwargs.get("cpu_gemm") == "mkl" and formats != ["float32"]:
+        raise ValueError(f"--cpu-gemm mkl multiplies float32 weights only; --weight-formats {','.join(formats)} "
+                         "asks for others (leave --cpu-gemm at auto)")
     golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else None
     text_file = cfg.get("text_file")
     text = read_text_file(text_file) if text_file is not None else reference_text()
@@ -166,6 +175,9 @@ def run_quality(engine_kwargs: dict, cfg: dict) -> dict:
             token_ids, text_tokens = all_ids[: cfg["num_tokens"]], len(all_ids)
             if len(token_ids) < 2:
                 raise ValueError(f"the text makes {len(token_ids)} token(s); perplexity needs at least 2")
+        if engine.max_model_len - 1 < 2:
+            raise ValueError(f"--max-model-len {engine.max_model_len} leaves a window of "
+                             f"{engine.max_model_len - 1} prompt token(s); perplexity needs at least 2")
         start = time.perf_counter()
         fmt = engine.backend.weight_format     # as stored, whichever flag chose it
         row = {"kv_cache_dtype": dtype, "weight_format": fmt,
@@ -174,7 +186,7 @@ def run_quality(engine_kwargs: dict, cfg: dict) -> dict:
                "bytes_per_block": engine.cache.bytes_per_block,
                # a window is a prompt, and a prompt leaves room for the one token it generates
                **perplexity(engine, token_ids, min(cfg["window"], engine.max_model_len - 1))}
-        if golden is not None and is_golden_model(engine):
+        if golden is not None and is_golden_model(engine.model_dir):
             row.update(golden_agreement(engine, golden))
         row["seconds"] = time.perf_counter() - start
         rows[dtype if len(formats) == 1 and fmt == "float32" else f"{fmt} / {dtype}"] = row
@@ -201,8 +213,8 @@ def print_quality(report: dict) -> None:
     rows = list(report["rows"].values())
     if rows:
         r = rows[0]
-        print(f"  ({_count(r['tokens_scored'], 'token')} scored in {_count(r['windows'], 'window')} of "
-              f"{r['window']} per row, of the text's {report['text_tokens']})")
+        print(f"  ({_count(r['tokens_scored'], 'token')} scored in {_count(r['windows'], 'window')} of up to "
+              f"{r['window']} per row, of the text's {_count(report['text_tokens'], 'token')})")
 
 
 def _count(n: int, noun: str) -> str:
