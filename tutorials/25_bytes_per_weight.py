@@ -44,7 +44,8 @@ Exercises (also printed at the end):
      the step stop being bound by the weights' bytes? What does the 'layers' line say the rest
      of a B=1 step is spent on?
   3. python -m minipaged bench quality --weight-formats float32,bfloat16,int8,gguf
-     --kv-cache-dtypes auto,int8: do a compressed KV cache and compressed weights add up?
+     --kv-cache-dtypes auto,int8: do a compressed KV cache and compressed weights add up? Then
+     score a text of your own (--text-file essay.txt): does the ranking of the formats hold?
   4. Run exercise 2's roofline with --quantization gguf_a8 and --batch-sizes 1,2,4,8. Which
      batch sizes gain from the integer products, and why not B=1? (Step 6's times, and the
      bytes a step reads.) Then bench quality --weight-formats gguf,gguf_a8: what did it cost?
