@@ -178,3 +178,33 @@ def test_a_peer_that_fails_in_its_process_is_one_error_with_its_last_words(tiny_
     with pytest.raises(ValueError, match="the hf peer failed in its own process; its last output:\n"
                                          "Traceback ...\nImportError: libllama.so"):
         bench_peers.run_peer("hf", str(tiny_model_dir), [[1, 2]], 4)
+
+
+def test_a_given_prompt_is_every_request_s_and_the_peer_s_too(tiny_model_dir, monkeypatch, tmp_path):
+    """``--prompt TEXT``: the engine and the peer decode the text's tokens, as ``generate``
+    tokenizes it; the report's prompt lengths are the text's."""
+    from minipaged.model.tokenizer import Tokenizer
+
+    seen, added = {}, []
+    monkeypatch.setattr(bench, "run_peer", lambda peer, model_dir, prompts, output_len, **_:
+                        seen.update(prompts=prompts) or {"generation_tok_s": 1.0})
+    monkeypatch.setattr(bench, "check_peer_installed", lambda peer: None)   # the fake needs no package
+    real_run = bench.run_workload
+
+    def run(engine, requests, progress=True):
+        added.extend(r.prompt for r in requests)
+        return real_run(engine, requests, progress)
+
+    monkeypatch.setattr(bench, "run_workload", run)
+    text = "Once upon a time, a page table"
+    out = tmp_path / "p.json"
+    args = build_parser().parse_args([
+        "bench", "throughput", "--model", str(tiny_model_dir), "--device", "cpu", "--swap-space", "0",
+        "--log-stats-interval", "0", "--num-prompts", "2", "--output-len", "2", "--prompt", text,
+        "--peer", "hf", "--out", str(out)])
+    assert bench.cmd_bench(args, engine_kwargs(args)) == 0
+    want = Tokenizer.from_dir(tiny_model_dir).encode(text, add_special_tokens=True)
+    assert seen["prompts"] == [want, want] and added[-2:] == [want, want]      # after the warm-up's
+    report = json.loads(out.read_text())
+    assert report["config"]["prompt"] == text and report["config"]["min_prompt_len"] == len(want)
+    assert report["result"]["prompt_tokens"] == 2 * len(want)

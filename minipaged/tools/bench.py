@@ -24,6 +24,7 @@ from ..engine.metrics import Metrics
 from ..engine.warm_up import warm_up as warm_up_passes
 from ..model.config import LlamaConfig
 from ..model.fetch import resolve_model
+from ..model.tokenizer import Tokenizer
 from .bench_peers import check_peer_installed, run_peer
 from .bench_serve import bench_serve
 from .measure import run_workload, steps_by_path
@@ -46,6 +47,10 @@ def add_bench_parser(sub, add_engine_flags) -> None:
     p.add_argument("--min-prompt-len", type=int, default=None, help="shortest prompt, in tokens")
     p.add_argument("--max-prompt-len", type=int, default=None, help="longest prompt, in tokens")
     p.add_argument("--output-len", type=int, default=None, help="tokens generated per request")
+    p.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="throughput, single-stream, prefill: every request's prompt is this text (tokenized "
+                        "as `generate` does, no chat template) instead of random token ids; with --peer the "
+                        "peer gets the same tokens")
     p.add_argument("--long-prompts", type=int, default=None, help="long-prompts: how many long prompts")
     p.add_argument("--long-prompt-len", type=int, default=None, help="long-prompts: their length")
     p.add_argument("--arrival-gap", type=int, default=None, help="long-prompts: steps between arrivals")
@@ -113,6 +118,12 @@ def check_bench_args(args: argparse.Namespace, defaults: dict) -> None:
                          f"{', '.join(PEER_WORKLOADS)} workloads, not {args.workload}")
     if args.peer:
         check_peer_installed(args.peer)
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise ValueError("--prompt is empty; give the text every request starts from")
+        for key in ("min_prompt_len", "max_prompt_len"):
+            if getattr(args, key) is not None:
+                raise ValueError(f"--prompt sets the prompt, and its length; drop --{key.replace('_', '-')}")
     if args.workload == "roofline":
         check_roofline_args({k: getattr(args, k) if getattr(args, k) is not None else v
                              for k, v in defaults.items()})
@@ -210,7 +221,8 @@ def warm_up(engine: LLMEngine, calculate_kv_scales: bool = False) -> None:
     measured run.)"""
     warm_up_passes(engine, calculate_kv_scales)
     vocab = engine.model_config.vocab_size
-    run_workload(engine, [BenchRequest(p, 2) for p in make_prompts(2, 40, 40, vocab, 1)], progress=False)
+    n = max(1, min(40, engine.max_model_len - 3))    # prompts that fit a short context, with their 2 tokens
+    run_workload(engine, [BenchRequest(p, 2) for p in make_prompts(2, n, n, vocab, 1)], progress=False)
     engine.metrics = Metrics()
     if engine.model is not None:
         steps_by_path(engine.model).clear()
@@ -218,6 +230,22 @@ def warm_up(engine: LLMEngine, calculate_kv_scales: bool = False) -> None:
     if engine.block_manager.cache is not None:
         engine.block_manager.cache.queries = engine.block_manager.cache.hits = 0
     engine.kv_history = []
+
+
+def given_prompt(cfg: dict, model: str) -> list[int] | None:
+    """``--prompt``'s token ids under the model's tokenizer (as ``generate`` tokenizes a text), or None."""
+    if cfg.get("prompt") is None:
+        return None
+    ids = Tokenizer.from_dir(resolve_model(model)).encode(cfg["prompt"], add_special_tokens=True)
+    if not ids:
+        raise ValueError("--prompt makes no tokens")
+    return ids
+
+
+def shown(cfg: dict) -> dict:
+    """The settings as printed: a long --prompt cut to its start (the JSON keeps it whole)."""
+    text = cfg.get("prompt")
+    return cfg if text is None or len(text) <= 60 else {**cfg, "prompt": text[:57] + "..."}
 
 
 def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
@@ -257,12 +285,15 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
     histories = {}
     results = {}
     peer = None
+    prompt_ids = given_prompt(cfg, base["model"])      # --prompt's tokens, or None: random ids
+    if prompt_ids is not None:                          # the lengths the report shows are the text's
+        cfg = {**cfg, "min_prompt_len": len(prompt_ids), "max_prompt_len": len(prompt_ids)}
     if args.peer:
         # The peer runs first, while no engine of ours is alive: an idle engine's thread
         # pools on the same cores slowed it by up to 17% when it ran second.
         model_dir = resolve_model(base["model"])
         vocab = LlamaConfig.from_dir(model_dir).vocab_size
-        peer_requests = make_requests(args.workload, cfg, vocab, args.workload_seed)
+        peer_requests = make_requests(args.workload, cfg, vocab, args.workload_seed, prompt_ids)
         peer = run_peer(args.peer, str(model_dir), [r.prompt for r in peer_requests], cfg["output_len"])
     # The machine's limits, probed before any engine of ours holds memory, and again after the run
     # (the workload's floor; on the CPU only)
@@ -275,7 +306,7 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
         engine = None
         release_device_memory()
         engine = LLMEngine(**kwargs)
-        requests = make_requests(args.workload, cfg, engine.model_config.vocab_size, args.workload_seed)
+        requests = make_requests(args.workload, cfg, engine.model_config.vocab_size, args.workload_seed, prompt_ids)
         warm_up(engine, bool(kwargs.get("calculate_kv_scales")))
         results[label] = run_workload(engine, requests)
         if args.workload == "memory":
@@ -288,7 +319,7 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
     if len(results) > 1:
         # one section per configuration: "paged" / "contiguous" (memory), "caching on" / "caching off"
         report.update(results)
-        print_table(args.workload, cfg, results)
+        print_table(args.workload, shown(cfg), results)
     else:
         result = results[""]
         floor = None
@@ -310,7 +341,7 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
                 result[f"max_speedup_vs_{args.peer}"] = (result["generated_tokens"] / floor["floor_s"]
                                                          / peer["generation_tok_s"])
         report["result"] = result             # the JSON holds what was printed
-        print_result(args.workload, cfg, result)
+        print_result(args.workload, shown(cfg), result)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

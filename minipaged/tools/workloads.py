@@ -2,7 +2,8 @@
 
 Prompts are random token ids (seeded), outputs have a fixed length with EOS
 ignored, so every run does exactly the same work and runs compare across
-commits and machines. Each workload is a name, a description and its defaults;
+commits and machines. The peer workloads (throughput, single-stream, prefill) take a
+text instead (``--prompt``): every request's prompt is its tokens. Each workload is a name, a description and its defaults;
 ``make_requests`` turns one into a list of requests with arrival steps.
 """
 
@@ -16,12 +17,12 @@ import numpy as np
 
 WORKLOADS = {
     # name: (description, defaults)
-    "throughput": ("N requests, prompt lengths uniform in [min, max], fixed output length",
-                   dict(num_prompts=64, min_prompt_len=32, max_prompt_len=256, output_len=128)),
-    "single-stream": ("one request decoding alone: time per output token",
-                      dict(num_prompts=1, min_prompt_len=16, max_prompt_len=16, output_len=128)),
-    "prefill": ("one long prompt, one output token: prompt processing speed",
-                dict(num_prompts=1, min_prompt_len=256, max_prompt_len=256, output_len=1)),
+    "throughput": ("N requests, prompt lengths uniform in [min, max] (or each PROMPT), fixed output length",
+                   dict(num_prompts=64, min_prompt_len=32, max_prompt_len=256, output_len=128, prompt=None)),
+    "single-stream": ("one request decoding alone (a prompt of random ids, or PROMPT): time per output token",
+                      dict(num_prompts=1, min_prompt_len=16, max_prompt_len=16, output_len=128, prompt=None)),
+    "prefill": ("one long prompt (or PROMPT), one output token: prompt processing speed",
+                dict(num_prompts=1, min_prompt_len=256, max_prompt_len=256, output_len=1, prompt=None)),
     "long-prompts": ("N short requests decoding while LONG_PROMPTS long prompts arrive one by one "
                      "(every ARRIVAL_GAP steps), with chunked prefill off and on (a CHUNK_BUDGET-token "
                      "budget): the stall decodes suffer (TTFT, TPOT, inter-token latency)",
@@ -91,7 +92,11 @@ class BenchRequest:
     beam_width: int = 0    # > 0: a beam search instead of sampling
 
 
-def make_requests(workload: str, cfg: dict, vocab: int, seed: int) -> list[BenchRequest]:
+def make_requests(workload: str, cfg: dict, vocab: int, seed: int,
+                  prompt_ids: list[int] | None = None) -> list[BenchRequest]:
+    """The workload's requests; ``prompt_ids`` (``--prompt``'s tokens), when given, is every prompt."""
+    if prompt_ids is not None:
+        return [BenchRequest(list(prompt_ids), cfg["output_len"]) for _ in range(cfg["num_prompts"])]
     requests = [BenchRequest(p, cfg["output_len"]) for p in
                 make_prompts(cfg["num_prompts"], cfg["min_prompt_len"], cfg["max_prompt_len"], vocab, seed)]
     if workload == "parallel-sampling":
