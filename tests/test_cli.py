@@ -113,6 +113,7 @@ def test_chat_with_smollm2_answers():
     (["bench", "throughput", "--prefix-len", "5"], "--prefix-len does not apply to the throughput workload"),
     (["bench", "throughput", "--plot", "x.png"], "--plot draws the memory workload's KV pool"),
     (["bench", "single-stream", "--prompt", " "], "--prompt is empty"),
+    (["bench", "single-stream", "--prompt", "caf\udcff"], "--prompt: encode() takes valid Unicode text"),
     (["bench", "single-stream", "--prompt", "hi", "--max-prompt-len", "4"], "drop --max-prompt-len"),
     (["bench", "roofline", "--prompt", "hi"], "--prompt does not apply to the roofline workload"),
     (["bench", "beam", "--peer", "hf"], "--peer runs one padded greedy batch"),

@@ -236,7 +236,10 @@ def given_prompt(cfg: dict, model: str) -> list[int] | None:
     """``--prompt``'s token ids under the model's tokenizer (as ``generate`` tokenizes a text), or None."""
     if cfg.get("prompt") is None:
         return None
-    ids = Tokenizer.from_dir(resolve_model(model)).encode(cfg["prompt"], add_special_tokens=True)
+    try:
+        ids = Tokenizer.from_dir(resolve_model(model)).encode(cfg["prompt"], add_special_tokens=True)
+    except ValueError as err:
+        raise ValueError(f"--prompt: {err}") from None
     if not ids:
         raise ValueError("--prompt makes no tokens")
     return ids
