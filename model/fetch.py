@@ -57,6 +57,16 @@ def model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
+def fetched_name(model_path: str | Path) -> str | None:
+    """The registry name a fetch wrote into the directory's marker; None where no fetch made it
+    (or its marker cannot be read)."""
+    try:
+        name = json.loads((Path(model_path) / COMPLETE_MARKER).read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -122,11 +122,6 @@ def quantize_matrices(tensors: dict, weight_format: str) -> dict:
 def gguf_path_of(model_dir: str | Path, reader: str | None = None) -> Path:
     """The GGUF file of a model directory (``fetch.gguf_file``: fetched for a registry model, named
     by the marker its fetch left, that lacks it); ``reader``, who needs it (for the error)."""
-    from .fetch import COMPLETE_MARKER, GGUF_READER, gguf_file      # noqa: PLC0415
+    from .fetch import GGUF_READER, fetched_name, gguf_file      # noqa: PLC0415
 
-    marker = Path(model_dir) / COMPLETE_MARKER
-    try:
-        name = json.loads(marker.read_text()).get("name") if marker.is_file() else None
-    except (json.JSONDecodeError, AttributeError):
-        name = None
-    return gguf_file(model_dir, name, reader=reader or GGUF_READER)
+    return gguf_file(model_dir, fetched_name(model_dir), reader=reader or GGUF_READER)

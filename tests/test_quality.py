@@ -29,12 +29,20 @@ def reference_perplexity(reference, token_ids: list[int], window: int) -> float:
     return math.exp(nll / counted)
 
 
+@pytest.fixture
+def path(tmp_path):
+    """TEXT in a UTF-8 file."""
+    file = tmp_path / "text.txt"
+    file.write_text(TEXT, encoding="utf-8")
+    return file
+
+
 def quality_cfg(**over) -> dict:
     return {"kv_cache_dtypes": "auto", "weight_formats": "float32", "num_tokens": 8192, "window": 48,
             "text_file": None, **over}
 
 
-def test_a_text_file_is_scored_as_the_reference_scores_it(calm_model_dir, tmp_path):
+def test_a_text_file_is_scored_as_the_reference_scores_it(calm_model_dir, path):
     """The whole file (shorter than --num-tokens) in windows of 48: the engine's perplexity is the
     float64 reference's; no golden row for a model that is not the golden outputs' own."""
     from minipaged.model.config import LlamaConfig
@@ -42,8 +50,6 @@ def test_a_text_file_is_scored_as_the_reference_scores_it(calm_model_dir, tmp_pa
     from minipaged.model.tokenizer import Tokenizer
     from minipaged.model.weights import load_checkpoint
 
-    path = tmp_path / "text.txt"
-    path.write_text(TEXT, encoding="utf-8")
     report = run_quality({"model": str(calm_model_dir), "device": "cpu", "num_blocks": 64},
                          quality_cfg(text_file=str(path)))
     row = report["rows"]["auto"]
@@ -54,9 +60,7 @@ def test_a_text_file_is_scored_as_the_reference_scores_it(calm_model_dir, tmp_pa
     assert "golden_steps" not in row and str(path) in report["text"]
 
 
-def test_num_tokens_takes_the_start_of_the_text(calm_model_dir, tmp_path):
-    path = tmp_path / "text.txt"
-    path.write_text(TEXT, encoding="utf-8")
+def test_num_tokens_takes_the_start_of_the_text(calm_model_dir, path):
     report = run_quality({"model": str(calm_model_dir), "device": "cpu", "num_blocks": 64},
                          quality_cfg(text_file=str(path), num_tokens=30, window=16))
     assert report["rows"]["auto"]["tokens_scored"] == 30 - 2 and report["rows"]["auto"]["windows"] == 2
@@ -87,19 +91,15 @@ def test_the_cli_refuses_a_bad_text_file_before_loading(tiny_model_dir, tmp_path
         assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
 
 
-def test_a_window_longer_than_the_context_is_cut_to_the_longest_prompt(calm_model_dir, tmp_path):
+def test_a_window_longer_than_the_context_is_cut_to_the_longest_prompt(calm_model_dir, path):
     """--window at max_model_len: each window is a prompt, which must leave room for one token."""
-    path = tmp_path / "text.txt"
-    path.write_text(TEXT, encoding="utf-8")
     report = run_quality({"model": str(calm_model_dir), "device": "cpu", "num_blocks": 64, "max_model_len": 32},
                          quality_cfg(text_file=str(path), num_tokens=62, window=32))
     row = report["rows"]["auto"]
     assert row["window"] == 31 and row["windows"] == 2 and row["tokens_scored"] == 62 - 2
 
 
-def test_one_weight_format_other_than_float32_is_named_in_the_row(calm_model_dir, tmp_path):
-    path = tmp_path / "text.txt"
-    path.write_text(TEXT, encoding="utf-8")
+def test_one_weight_format_other_than_float32_is_named_in_the_row(calm_model_dir, path):
     report = run_quality({"model": str(calm_model_dir), "device": "cpu", "num_blocks": 64},
                          quality_cfg(text_file=str(path), num_tokens=40, window=20, weight_formats="int8"))
     assert list(report["rows"]) == ["int8 / auto"] and report["rows"]["int8 / auto"]["weight_format"] == "int8"
@@ -128,9 +128,7 @@ def test_the_golden_model_is_known_by_its_fetch_marker_or_its_place(tmp_path, mo
     assert is_golden_model(tmp_path / "link")                              # no marker, the same place
 
 
-def test_a_context_too_short_for_a_window_is_refused(calm_model_dir, tmp_path):
-    path = tmp_path / "text.txt"
-    path.write_text(TEXT, encoding="utf-8")
+def test_a_context_too_short_for_a_window_is_refused(calm_model_dir, path):
     with pytest.raises(ValueError, match="--max-model-len 2 leaves a window of 1 prompt token"):
         run_quality({"model": str(calm_model_dir), "device": "cpu", "num_blocks": 64, "max_model_len": 2},
                     quality_cfg(text_file=str(path), num_tokens=30, window=16))

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..engine.backend import release_device_memory
 from ..engine.llm_engine import LLMEngine
-from ..model.fetch import COMPLETE_MARKER, DEFAULT_MODEL, model_dir
+from ..model.fetch import DEFAULT_MODEL, fetched_name, model_dir
 from ..sampling_params import SamplingParams
 
 GOLDEN = Path(__file__).resolve().parents[2] / "tests" / "golden" / "smollm2_135m_instruct.json"
@@ -64,10 +64,8 @@ def read_text_file(path: str) -> str:
 def is_golden_model(directory: Path) -> bool:
     """The golden outputs are the default model's: another model's greedy tokens say nothing. A
     directory the registry's fetch made says whose it is (its marker); any other, where it is."""
-    try:
-        return json.loads((directory / COMPLETE_MARKER).read_text()).get("name") == DEFAULT_MODEL
-    except (OSError, ValueError, AttributeError):
-        return directory.resolve() == model_dir(DEFAULT_MODEL).resolve()
+    name = fetched_name(directory)
+    return name == DEFAULT_MODEL if name is not None else directory.resolve() == model_dir(DEFAULT_MODEL).resolve()
 
 
 # a weight format of --weight-formats -> the engine settings that store the weights so
