@@ -36,7 +36,8 @@ Run it:  python tutorials/25_bytes_per_weight.py
 
 Exercises (also printed at the end):
   1. Run  python -m minipaged bench single-stream --quantization gguf --peer llamacpp  (the
-     peers extra: pip install -e ".[peers]") and then with --quantization int8. Which is
+     peers extra: pip install -e ".[peers]"; --prompt "your text" races a prompt of your own
+     instead of random ids) and then with --quantization int8. Which is
      faster here, and why can int8, with 40% more bytes than the GGUF's blocks, come close? (Count the
      instructions a weight costs in a single row: kernels/fast/quant_blocks.py's block_row and
      kernels/fast/quant_panels.py's dense_row.)
