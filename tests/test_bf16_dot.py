@@ -11,15 +11,15 @@ import pytest
 from numba import njit
 from numba.core.codegen import get_host_cpu_features
 
-from minipaged.kernels.fast.bf16_dot import BF16_DOT_KINDS, bf16_dot_instructions, pair_dot, pair_dot_spec
+from minipaged.kernels.fast.bf16_dot import BF16_DOT, BF16_DOT_KINDS, bf16_dot_instructions, pair_dot, pair_dot_spec
 from minipaged.kernels.fast.simd import LANES, vload, vstore
 from minipaged.kernels.weight_formats import float32_to_bf16
 
 
 def _runnable(kind: str) -> bool:
-    have = set(get_host_cpu_features().split(","))
-    return kind == "generic" or (LANES == 16 and "+avx512bf16" in have
-                                 and bf16_dot_instructions("+avx512bf16", 16) == "avx512bf16")
+    """The generic kind runs anywhere; vdpbf16ps where Numba compiles for it (BF16_DOT) and this
+    CPU has it."""
+    return kind == "generic" or (BF16_DOT == "avx512bf16" and "+avx512bf16" in get_host_cpu_features().split(","))
 
 
 @pytest.mark.parametrize("features, lanes, llvm_major, kind", [
@@ -77,20 +77,28 @@ def test_each_cpus_instructions_give_the_specs_sums(kind):
 
 
 def test_the_spec_reads_the_pairs_as_ml_dtypes_does():
-    """One step: the low half is k even, the high half k odd, each a bfloat16 as ml_dtypes reads
-    it; the odd k's product is added first."""
+    """One step: each half a bfloat16 as ml_dtypes reads it, the high halves' product and the low
+    halves' added to acc; the two order cases below pin which comes first (the odd k's, the
+    high half), and that each is rounded on its own."""
     w = np.array([[1.5, -2.0], [0.25, 8.0]], np.float32)                  # (features, 2 k)
     x = np.array([3.0, 0.5], np.float32)
     acc = np.array([1.0, -1.0], np.float32)
     got = pair_dot_spec(acc, _pairs(w)[:, 0], int(_pairs(x)[0]))
     np.testing.assert_array_equal(got, np.array([1.0 + 4.5 - 1.0, -1.0 + 0.75 + 4.0], np.float32))
-    order = pair_dot_spec(*_ORDER_CASE)
-    assert order[0] == np.float32(2.0 ** 24 + 4)      # 2^24 + 2, then + 1: a tie, to even; low first: 2^24 + 2
+    high_first, high_alone = (pair_dot_spec(*case)[0] for case in _ORDER_CASES)
+    assert high_first == np.float32(2.0 ** 24 + 4)   # + 2 (odd k), then + 1: a tie, to even (low first: + 2)
+    assert high_alone == np.float32(2.0 ** 24 + 2)   # + 1: a tie, back to 2^24, then + 2 (one rounding: + 4)
 
 
-# acc 2^24, the weight's pair (1, 1), x's (1, 2): the odd k's product first gives 2^24 + 4, the even's 2^24 + 2
-_ORDER_CASE = (np.full(LANES, 2.0 ** 24, np.float32), _pairs(np.ones((LANES, 2), np.float32))[:, 0],
-               int(_pairs(np.array([1.0, 2.0], np.float32))[0]))
+def _order_case(x_pair: list[float]) -> tuple:
+    """acc 2^24 in every lane, every feature's pair (1, 1), and x's pair (k even, k odd)."""
+    return (np.full(LANES, 2.0 ** 24, np.float32), _pairs(np.ones((LANES, 2), np.float32))[:, 0],
+            int(_pairs(np.array(x_pair, np.float32))[0]))
+
+
+# x (1, 2): odd k first gives 2^24 + 4, even first 2^24 + 2; x (2, 1): odd k first, each product
+# rounded, gives 2^24 + 2, the sum of both rounded once (or even k first) 2^24 + 4
+_ORDER_CASES = (_order_case([1.0, 2.0]), _order_case([2.0, 1.0]))
 
 
 @pytest.mark.parametrize("kind", BF16_DOT_KINDS)
@@ -103,7 +111,8 @@ def test_each_cpus_instructions_add_the_odd_k_first(kind):
     def run(w, xb, acc, out):
         vstore(out, 0, dot(vload(acc, 0), w, 0, xb, 0))
 
-    acc, words, x_word = _ORDER_CASE
-    out = np.zeros(LANES, np.float32)
-    run(words.view(np.uint8), np.array([x_word], np.uint32).view(np.uint8), acc, out)
-    np.testing.assert_array_equal(out, pair_dot_spec(*_ORDER_CASE))
+    for case in _ORDER_CASES:
+        acc, words, x_word = case
+        out = np.zeros(LANES, np.float32)
+        run(words.view(np.uint8), np.array([x_word], np.uint32).view(np.uint8), acc, out)
+        np.testing.assert_array_equal(out, pair_dot_spec(*case))

@@ -20,7 +20,7 @@ float32, so each step rounds once, in the same order. (``vdpbf16ps`` also flushe
 inputs and results to zero; the weights and activations of a model are never that small.)
 ``pair_dot_spec`` is the NumPy meaning, checked in ``tests/test_bf16_dot.py``.
 
-Measured on Zen 5 (one core, a 576 x 576 weight in L2, docs/weights.md): 1.2-1.5x the shift and
+Measured on Zen 5 (one core, a 576 x 576 weight in L2, docs/weights.md): 1.2-1.6x the shift and
 multiply-add of float32 x at one to four rows, 2.2-2.4x at 8 to 32. It rounds x to bfloat16, which
 the ``bfloat16`` weight format does not (its x stays float32): this is the instruction alone, for
 a format that rounds x.
@@ -120,6 +120,3 @@ def pair_dot(kind: str):
             return _pair_dot_ir(builder, kind, acc_, words, x)
         return f32vec(acc, w, at, xb, xat), codegen
     return intrinsic(typer)
-
-
-pair_dot_here = pair_dot(BF16_DOT)                                      # this CPU's instructions
