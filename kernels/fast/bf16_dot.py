@@ -34,7 +34,7 @@ from llvmlite.binding import llvm_version_info
 from numba import types as nb_types
 from numba.extending import intrinsic
 
-from .int8_dot import _I32, _declare, byte_pointer
+from .int8_dot import _I32, _declare, broadcast_word, byte_pointer
 from .simd import _VECTOR, LANES, compiled_cpu_features, f32vec   # _VECTOR: LLVM's register of LANES float32s
 
 BF16_DOT_KINDS = ("avx512bf16", "generic")
@@ -115,8 +115,6 @@ def pair_dot(kind: str):
             words = builder.load(byte_pointer(context, builder, sig.args[1], w_, at_, sig.args[2], _I32), align=1)
             word = builder.load(byte_pointer(context, builder, sig.args[3], xb_, xat_, sig.args[4], ir.IntType(32)),
                                 align=1)
-            lanes0 = ir.Constant(_I32, [0] * LANES)
-            x = builder.shuffle_vector(builder.insert_element(lanes0, word, ir.IntType(32)(0)), lanes0, lanes0)
-            return _pair_dot_ir(builder, kind, acc_, words, x)
+            return _pair_dot_ir(builder, kind, acc_, words, broadcast_word(builder, word))
         return f32vec(acc, w, at, xb, xat), codegen
     return intrinsic(typer)

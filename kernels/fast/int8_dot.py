@@ -153,6 +153,12 @@ def byte_pointer(context, builder, aty, arr, offset, oty, to: ir.Type):
     return builder.bitcast(builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [at]), to.as_pointer())
 
 
+def broadcast_word(builder, word):
+    """A 32-bit word (four bytes of x, or a pair of bfloat16) in every lane of a <LANES x i32>."""
+    lanes0 = ir.Constant(_I32, [0] * LANES)
+    return builder.shuffle_vector(builder.insert_element(lanes0, word, ir.IntType(32)(0)), lanes0, lanes0)
+
+
 def _dot_intrinsic(kind: str, groups: int, nibbles: bool):
     """The intrinsic ``(acc, w, at, xb, xat)`` of ``block_dot`` (``nibbles``) or ``block_dot8``."""
     if kind not in DOT_KINDS:
@@ -167,7 +173,6 @@ def _dot_intrinsic(kind: str, groups: int, nibbles: bool):
             mask, four = ir.Constant(_I32, [0x0F0F0F0F] * LANES), ir.Constant(_I32, [4] * LANES)
             x_at = byte_pointer(context, builder, sig.args[3], xb_, xat_, sig.args[4], ir.IntType(32))
             w_at = byte_pointer(context, builder, sig.args[1], w_, at_, sig.args[2], ir.IntType(8))
-            lanes0 = ir.Constant(_I32, [0] * LANES)
             pairs = []
             for g in range(groups):
                 word_ptr = builder.bitcast(builder.gep(w_at, [ir.IntType(64)(4 * PANEL * g)]), _I32.as_pointer())
@@ -176,9 +181,7 @@ def _dot_intrinsic(kind: str, groups: int, nibbles: bool):
                           else (codes,))
                 for half, part in enumerate(halves):
                     word = builder.load(builder.gep(x_at, [ir.IntType(64)(len(halves) * g + half)]), align=1)
-                    x4 = builder.shuffle_vector(builder.insert_element(lanes0, word, ir.IntType(32)(0)), lanes0,
-                                                lanes0)
-                    pairs.append((part, x4))
+                    pairs.append((part, broadcast_word(builder, word)))
             return _block_dot_ir(builder, kind, acc_, pairs, signed=not nibbles)
         return i32vec(acc, w, at, xb, xat), codegen
     return intrinsic(typer)
